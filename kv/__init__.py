@@ -1,0 +1,1 @@
+"""The KV cache and the attention backends that read it."""

@@ -1,0 +1,1 @@
+"""The Textual app and the command-line entry point."""
