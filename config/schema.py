@@ -1,0 +1,303 @@
+"""The settings schema: frozen dataclasses whose field metadata drives validation, the
+commented YAML and any generated settings screen.
+
+Each setting is declared once, with `setting(...)`; its Python annotation is its type
+and its metadata holds the help text and the allowed values. Nothing else in the
+package names an individual key except the cross-field rules in validate.py.
+"""
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def setting(
+    default: Any,
+    help: str,
+    *,
+    min: float | None = None,
+    max: float | None = None,
+    choices: tuple[str, ...] | None = None,
+    multiple_of: int | None = None,
+) -> Any:
+    """A dataclass field carrying its help text and allowed values."""
+    meta = {"help": help, "min": min, "max": max, "choices": choices, "multiple_of": multiple_of}
+    return field(default=default, metadata=meta)
+
+
+def section(cls: type, help: str) -> Any:
+    """A Settings field holding one section, with the section's help text."""
+    return field(default_factory=cls, metadata={"help": help})
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One setting as a settings UI or the validator sees it."""
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] | None = None
+    min: float | None = None
+    max: float | None = None
+    multiple_of: int | None = None
+
+    def allowed(self) -> str:
+        """What values are accepted, in words (used in messages and YAML comments)."""
+        if self.type is bool:
+            return "true or false"
+        if self.choices is not None:
+            return "one of " + ", ".join(self.choices)
+        if self.type is str:
+            return "a string"
+        kind = "an integer" if self.type is int else "a number"
+        text = f"{kind} from {_num(self.min)} to {_num(self.max)}"
+        if self.multiple_of is not None:
+            text += f" that is a multiple of {self.multiple_of}"
+        return text
+
+
+def _num(value: float | None) -> str:
+    # 30.0 reads better as 30 in a range; 0.01 stays as is.
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+@dataclass(frozen=True)
+class ModelSettings:
+    path: str = setting(
+        "smollm2-135m",
+        "Model to load: the name of a bundled model, a path to a .gguf file, "
+        "or a Hugging Face model folder (config.json + *.safetensors + tokenizer).",
+    )
+    dtype: str = setting(
+        "auto",
+        "Weight and activation dtype: bfloat16 for speed and half the memory, float32 for "
+        "exact results; auto lets the engine pick for the device.",
+        choices=("auto", "float32", "bfloat16"),
+    )
+    device: str = setting(
+        "auto",
+        "Where the model computes: cuda (an NVIDIA GPU), cpu, or auto (cuda when one is "
+        "available, else cpu).",
+        choices=("auto", "cpu", "cuda"),
+    )
+    threads: int = setting(
+        0,
+        "CPU threads for the model's own computation; 0 = all cores.",
+        min=0,
+        max=1024,
+    )
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    max_new_tokens: int = setting(
+        512,
+        "Most tokens generated for one answer; generation stops earlier at the model's "
+        "end-of-turn token.",
+        min=1,
+        max=1_048_576,
+    )
+    temperature: float = setting(
+        0.0,
+        "Sampling temperature: 0 = greedy (always the most likely token, so answers are "
+        "repeatable); higher values give more varied answers.",
+        min=0.0,
+        max=5.0,
+    )
+    top_p: float = setting(
+        1.0,
+        "Nucleus sampling: draw only from the most likely tokens whose probabilities add up "
+        "to top_p; 1.0 = off. Ignored when temperature is 0.",
+        min=0.01,
+        max=1.0,
+    )
+    top_k: int = setting(
+        0,
+        "Draw only from the top_k most likely tokens; 0 = off. Ignored when temperature is 0.",
+        min=0,
+        max=1_000_000,
+    )
+    repetition_penalty: float = setting(
+        1.0,
+        "Penalty on tokens already in the context, as in Hugging Face transformers; "
+        "1.0 = off, higher values discourage repeating.",
+        min=1.0,
+        max=2.0,
+    )
+    seed: int = setting(
+        0,
+        "Seed of the sampler so a sampled answer can be reproduced; -1 = a new random seed "
+        "for every answer.",
+        min=-1,
+        max=2**31 - 1,
+    )
+
+
+@dataclass(frozen=True)
+class LongContextSettings:
+    chunk_size: int = setting(
+        4096,
+        "Prefill chunk in tokens: a long prompt goes through the model this many tokens at "
+        "a time, which bounds the activation memory of prefill.",
+        min=16,
+        max=65_536,
+    )
+    max_seq_len: int = setting(
+        32_768,
+        "Capacity of the KV cache in tokens (document + conversation); the block store in "
+        "DRAM grows up to this, so choose it from the DRAM you have.",
+        min=256,
+        max=4_194_304,
+    )
+    block_size: int = setting(
+        128,
+        "Tokens per KV cache block: the unit that is stored in DRAM, given anchors, scored "
+        "and selected.",
+        min=32,
+        max=4096,
+        multiple_of=32,
+    )
+    local_windows_len: int = setting(
+        4096,
+        "Local window: the last local_windows_len tokens are always attended to in full and "
+        "kept on the compute device; a multiple of block_size.",
+        min=128,
+        max=1_048_576,
+    )
+    second_select_num: int = setting(
+        32,
+        "Blocks each layer selects by anchor score for the current query (from the "
+        "preselected blocks when preselect_block is true), on top of sinks and local window.",
+        min=0,
+        max=1_000_000,
+    )
+    threads_num: int = setting(
+        0,
+        "CPU threads for the block store and for attention over blocks on the host; "
+        "0 = model.threads.",
+        min=0,
+        max=1024,
+    )
+    anchor_type: str = setting(
+        "DYNAMIC",
+        "How a block's anchors (representative keys) are made: DYNAMIC = its anchor_num "
+        "most-attended keys, FIXED = anchor_num keys at even intervals, BLOCK_MEAN = the mean "
+        "key, BLOCK_MAX = the element-wise max key, QUEST = element-wise min and max keys.",
+        choices=("DYNAMIC", "FIXED", "BLOCK_MEAN", "BLOCK_MAX", "QUEST"),
+    )
+    kv_type: str = setting(
+        "FP16",
+        "Storage format of the blocks in DRAM: FP16, or INT8 / INT4 quantized per block "
+        "(2x / 4x smaller than FP16, slightly less accurate).",
+        choices=("FP16", "INT8", "INT4"),
+    )
+    dense_layer_num: int = setting(
+        2,
+        "The first dense_layer_num layers attend to every token without block selection "
+        "(early layers spread their attention too widely to select well).",
+        min=0,
+        max=1024,
+    )
+    anchor_num: int = setting(
+        1,
+        "Anchors per block for DYNAMIC and FIXED; must be 1 for BLOCK_MEAN, BLOCK_MAX and "
+        "QUEST, and at most block_size.",
+        min=1,
+        max=128,
+    )
+    preselect_block: bool = setting(
+        False,
+        "After prefill, preselect once the preselect_block_count blocks the end of the "
+        "prompt attends to most (as SnapKV does); later selections choose only among them.",
+    )
+    head_select_mode: str = setting(
+        "SHARED",
+        "SHARED = all KV heads of a layer select the same blocks (scores summed over heads); "
+        "SEPARATE = each KV head selects its own blocks.",
+        choices=("SHARED", "SEPARATE"),
+    )
+    preselect_block_count: int = setting(
+        32,
+        "Blocks kept by preselection when preselect_block is true; at least second_select_num.",
+        min=1,
+        max=1_000_000,
+    )
+    layer_step: int = setting(
+        1,
+        "Select blocks anew every layer_step layers; the layers in between reuse the last "
+        "selection.",
+        min=1,
+        max=1024,
+    )
+    token_step: int = setting(
+        1,
+        "Select blocks anew every token_step generated tokens; the tokens in between reuse "
+        "the last selection.",
+        min=1,
+        max=1024,
+    )
+    attention: str = setting(
+        "dense",
+        "dense = every query attends to the whole KV cache (exact, slow on long texts); "
+        "sparse = only to sinks, selected blocks and the local window.",
+        choices=("dense", "sparse"),
+    )
+    position_mode: str = setting(
+        "auto",
+        "Positions past the trained context: native = true positions (model must be trained "
+        "for the length), extrapolate = InfLLM-style fixed distance to retrieved blocks, "
+        "auto = the planner picks per session.",
+        choices=("auto", "native", "extrapolate"),
+    )
+
+
+@dataclass(frozen=True)
+class UISettings:
+    theme: str = setting("dark", "Colour theme of the app.", choices=("dark", "light"))
+    stats_refresh_hz: float = setting(
+        4.0,
+        "How many times per second the live panels poll the engine statistics.",
+        min=0.5,
+        max=30.0,
+    )
+    show_panels: bool = setting(
+        True,
+        "Show the live panels (device window, DRAM blocks, selection heatmap, tok/s) at start-up.",
+    )
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: ModelSettings = section(ModelSettings, "Which model to load and where it runs.")
+    generation: GenerationSettings = section(GenerationSettings, "How answers are sampled.")
+    long_context: LongContextSettings = section(
+        LongContextSettings,
+        "The block-sparse KV cache, with KTransformers' long_context keys and meanings.",
+    )
+    ui: UISettings = section(UISettings, "The terminal app.")
+
+
+def schema_fields(section_cls: type) -> list[FieldSpec]:
+    """The settings of one section class (e.g. LongContextSettings), in declaration order."""
+    return [
+        FieldSpec(
+            name=f.name,
+            type=f.type,
+            default=f.default,
+            help=f.metadata["help"],
+            choices=f.metadata["choices"],
+            min=f.metadata["min"],
+            max=f.metadata["max"],
+            multiple_of=f.metadata["multiple_of"],
+        )
+        for f in dataclasses.fields(section_cls)
+    ]
+
+
+def sections() -> list[tuple[str, type, str]]:
+    """(name, section class, help) for every section of Settings, in file order."""
+    return [(f.name, f.type, f.metadata["help"]) for f in dataclasses.fields(Settings)]

@@ -1,0 +1,185 @@
+"""Loading the user's file: first run, merging with newer defaults, warnings, and the
+errors for files that are not settings at all."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from kvchat.config import ConfigError, LoadedSettings, Settings, load_settings
+from kvchat.config.store import default_yaml
+
+
+def test_first_run_creates_the_file_from_the_packaged_default(home):
+    loaded = load_settings()
+    assert isinstance(loaded, LoadedSettings)
+    assert loaded.created is True
+    assert loaded.path == home / "config.yaml"
+    assert loaded.path.read_text(encoding="utf-8") == default_yaml()
+    assert loaded.settings == Settings()
+    assert loaded.warnings == []
+    assert sorted(p.name for p in home.iterdir()) == ["config.yaml"]
+
+    again = load_settings()
+    assert (again.created, again.settings) == (False, Settings())
+
+
+def test_an_explicit_path_is_created_with_its_folders(tmp_path):
+    path = tmp_path / "a" / "b" / "settings.yaml"
+    loaded = load_settings(path)
+    assert loaded.created and path.read_text(encoding="utf-8") == default_yaml()
+
+
+def test_create_false_uses_defaults_and_writes_nothing(home):
+    loaded = load_settings(create=False)
+    assert (loaded.created, loaded.settings) == (False, Settings())
+    assert loaded.warnings == [f"{home / 'config.yaml'}: not found; using the built-in defaults"]
+    assert not home.exists()
+
+
+def test_old_file_missing_keys_and_a_section_takes_the_defaults(write_config):
+    # As written by an older kvchat: fewer long_context keys and no `ui` section.
+    write_config(
+        """\
+        model:
+          path: /models/qwen.gguf
+        generation:
+          temperature: 0.7
+        long_context:
+          kv_type: INT8
+          block_size: 64
+          local_windows_len: 2048
+        """
+    )
+    loaded = load_settings()
+    defaults = Settings()
+    assert loaded.warnings == []
+    assert loaded.settings == dataclasses.replace(
+        defaults,
+        model=dataclasses.replace(defaults.model, path="/models/qwen.gguf"),
+        generation=dataclasses.replace(defaults.generation, temperature=0.7),
+        long_context=dataclasses.replace(
+            defaults.long_context, kv_type="INT8", block_size=64, local_windows_len=2048
+        ),
+    )
+    assert loaded.settings.ui == defaults.ui
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["", "# only a comment\n", "model:\n  # path: x\nui:\n"],
+    ids=["empty", "comments-only", "empty-sections"],
+)
+def test_files_without_values_give_the_defaults(write_config, text):
+    write_config(text)
+    assert load_settings().settings == Settings()
+
+
+def test_unknown_keys_and_sections_are_warnings_not_errors(write_config):
+    path = write_config(
+        """\
+        long_context:
+          kv_typ: INT8
+          block_size: 64
+          local_windows_len: 4096
+          retired_option: 3
+        modle:
+          path: x
+        """
+    )
+    loaded = load_settings()
+    assert loaded.settings.long_context.block_size == 64
+    assert loaded.settings.long_context.kv_type == "FP16"
+    assert loaded.warnings == [
+        f"{path}: unknown key long_context.kv_typ ignored (did you mean kv_type?)",
+        f"{path}: unknown key long_context.retired_option ignored",
+        f"{path}: unknown section modle ignored (did you mean model?)",
+    ]
+
+
+def test_numbers_are_read_as_their_field_type(write_config):
+    write_config(
+        """\
+        generation:
+          temperature: 1
+          top_p: 1e-1
+          max_new_tokens: 1024.0
+        ui:
+          stats_refresh_hz: 10
+        """
+    )
+    s = load_settings().settings
+    assert (s.generation.temperature, type(s.generation.temperature)) == (1.0, float)
+    assert (s.generation.top_p, type(s.generation.top_p)) == (0.1, float)
+    assert (s.generation.max_new_tokens, type(s.generation.max_new_tokens)) == (1024, int)
+    assert (s.ui.stats_refresh_hz, type(s.ui.stats_refresh_hz)) == (10.0, float)
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "column"),
+    [
+        ("model:\n  path: smollm2\n dtype: auto\n", 3, 2),
+        ("model:\n  path: [unclosed\n", 3, 1),
+        ("ui:\n  theme: a: b\n", 2, 11),
+    ],
+    ids=["indentation", "unclosed-list", "nested-colon"],
+)
+def test_malformed_yaml_names_file_and_line(write_config, text, line, column):
+    path = write_config(text)
+    with pytest.raises(ConfigError) as exc:
+        load_settings()
+    message = str(exc.value)
+    assert message.startswith(f"{path}: line {line}, column {column}: not valid YAML (")
+
+
+@pytest.mark.parametrize(
+    ("text", "got"),
+    [("- model\n- ui\n", "a list"), ("just text\n", "a string"), ("42\n", "an integer")],
+)
+def test_top_level_must_be_a_mapping(write_config, text, got):
+    path = write_config(text)
+    with pytest.raises(ConfigError) as exc:
+        load_settings()
+    assert str(exc.value) == (
+        f"{path}: expected a mapping with the sections model, generation, long_context, ui "
+        f"at the top level (got {got})"
+    )
+
+
+def test_a_section_must_be_a_mapping(write_config):
+    path = write_config("generation: fast\n")
+    with pytest.raises(ConfigError) as exc:
+        load_settings()
+    assert str(exc.value) == (
+        f'{path}: generation = "fast": expected a mapping of generation settings (got a string)'
+    )
+
+
+def test_an_unreadable_path_is_a_config_error(home):
+    path = home / "config.yaml"
+    path.mkdir(parents=True)
+    with pytest.raises(ConfigError, match="cannot read the settings file") as exc:
+        load_settings()
+    assert str(exc.value).startswith(f"{path}: ")
+
+
+def test_a_file_that_is_not_utf8_is_a_config_error(home):
+    path = home / "config.yaml"
+    home.mkdir()
+    path.write_bytes(b"model:\n  path: caf\xe9\n")
+    with pytest.raises(ConfigError, match="cannot read the settings file"):
+        load_settings()
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root ignores permissions")
+def test_a_home_that_cannot_be_written_gives_defaults_and_a_warning(home):
+    home.mkdir(mode=0o500)
+    try:
+        loaded = load_settings()
+    finally:
+        home.chmod(0o700)
+    assert (loaded.created, loaded.settings) == (False, Settings())
+    assert loaded.warnings[0].startswith(f"{home / 'config.yaml'}: could not create it (")
+    assert not (home / "config.yaml").exists()

@@ -1,0 +1,183 @@
+"""Saving: atomic replacement, and the user's comments survive."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from kvchat.config import (
+    ConfigError,
+    Settings,
+    load_settings,
+    save_settings,
+    settings_to_yaml,
+)
+from kvchat.config.store import default_yaml
+
+
+def _changed(settings: Settings) -> Settings:
+    return dataclasses.replace(
+        settings,
+        generation=dataclasses.replace(settings.generation, temperature=0.7, seed=-1),
+        long_context=dataclasses.replace(
+            settings.long_context, kv_type="INT8", preselect_block=True
+        ),
+        ui=dataclasses.replace(settings.ui, show_panels=False),
+    )
+
+
+def test_save_to_a_new_path_renders_the_commented_file(tmp_path):
+    path = tmp_path / "new" / "config.yaml"
+    settings = _changed(Settings())
+    save_settings(settings, path)
+    assert path.read_text(encoding="utf-8") == settings_to_yaml(settings)
+    assert load_settings(path).settings == settings
+    assert os.listdir(path.parent) == ["config.yaml"]
+
+
+def test_user_comments_and_unknown_keys_survive_a_save(home):
+    path = load_settings().path
+    user_text = (
+        default_yaml()
+        .replace("# Which model", "# my laptop setup\n# Which model")
+        .replace("  kv_type: FP16", "  kv_type: FP16   # INT4 was too lossy for me\n  my_note: 1")
+        .replace("  theme: dark", "  # I like it dark\n  theme: dark")
+    )
+    path.write_text(user_text, encoding="utf-8")
+    settings = _changed(load_settings().settings)
+
+    save_settings(settings, path)
+
+    saved = path.read_text(encoding="utf-8")
+    expected = (
+        user_text.replace("  temperature: 0.0", "  temperature: 0.7")
+        .replace("  seed: 0", "  seed: -1")
+        .replace("  kv_type: FP16   #", "  kv_type: INT8   #")
+        .replace("  preselect_block: false", "  preselect_block: true")
+        .replace("  show_panels: true", "  show_panels: false")
+    )
+    assert saved == expected  # only the changed values differ
+    assert load_settings().settings == settings
+
+
+def test_save_adds_missing_keys_and_sections_with_comments(write_config):
+    path = write_config(
+        """\
+        # written by kvchat 0.0.9
+        model:
+          path: /models/qwen.gguf  # the big one
+        long_context:
+          kv_type: INT8
+        """
+    )
+    settings = load_settings().settings
+    save_settings(settings, path)
+
+    saved = path.read_text(encoding="utf-8")
+    assert saved.startswith(
+        "# written by kvchat 0.0.9\nmodel:\n  path: /models/qwen.gguf  # the big one\n"
+    )
+    assert "  kv_type: INT8\n" in saved
+    for line in ("  dtype: auto", "  chunk_size: 4096", "generation:", "ui:", "  theme: dark"):
+        assert line in saved.splitlines()
+    assert "# Tokens per KV cache block" in saved  # added keys come with their comments
+    reloaded = load_settings()
+    assert (reloaded.settings, reloaded.warnings) == (settings, [])
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "model: {path: x, dtype: auto}\n",  # flow style
+        "model:\n  path: >-\n    my\n    model\n",  # multi-line scalar
+    ],
+    ids=["flow-style", "folded-scalar"],
+)
+def test_layouts_the_line_editor_cannot_handle_are_re_rendered(write_config, text):
+    path = write_config(text)
+    settings = _changed(load_settings().settings)
+    save_settings(settings, path)
+    assert path.read_text(encoding="utf-8") == settings_to_yaml(settings)
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["true", "my: model #1", "C:\\models\\x.gguf", "  padded", "", "line\nbreak", "café"],
+)
+def test_strings_that_need_quoting_survive_both_save_paths(tmp_path, value):
+    path = tmp_path / "config.yaml"
+    settings = Settings()
+    settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, path=value))
+    save_settings(settings, path)  # rendered afresh
+    assert load_settings(path).settings.model.path == value
+    save_settings(Settings(), path)
+    save_settings(settings, path)  # edited in place
+    assert load_settings(path).settings.model.path == value
+    assert len(path.read_text(encoding="utf-8").splitlines()) == len(default_yaml().splitlines())
+
+
+def test_invalid_settings_are_refused_and_the_file_is_untouched(home):
+    path = load_settings().path
+    before = path.read_bytes()
+    s = Settings()
+    bad = dataclasses.replace(s, model=dataclasses.replace(s.model, path=object()))
+    with pytest.raises(ConfigError, match=r"model\.path = .*: expected a string"):
+        save_settings(bad, path)
+    assert path.read_bytes() == before
+    assert os.listdir(home) == ["config.yaml"]
+
+
+def test_a_failed_replace_leaves_no_temp_file_and_the_target_untouched(tmp_path):
+    # os.replace cannot put a file over a non-empty directory: the failure comes after
+    # the temp file was fully written and synced.
+    target = tmp_path / "config.yaml"
+    target.mkdir()
+    (target / "keep").write_text("mine", encoding="utf-8")
+    with pytest.raises(OSError):
+        save_settings(Settings(), target)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+    assert (target / "keep").read_text(encoding="utf-8") == "mine"
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root ignores permissions")
+def test_a_read_only_directory_leaves_the_original_untouched(home):
+    path = load_settings().path
+    before = path.read_bytes()
+    home.chmod(0o500)
+    try:
+        with pytest.raises(PermissionError):
+            save_settings(_changed(Settings()), path)
+    finally:
+        home.chmod(0o700)
+    assert path.read_bytes() == before
+    assert os.listdir(home) == ["config.yaml"]
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
+def test_save_keeps_the_file_mode(home):
+    path: Path = load_settings().path
+    path.chmod(0o600)
+    save_settings(_changed(Settings()), path)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_users_nested_mapping_is_not_mistaken_for_settings(write_config):
+    text = (
+        "long_context:\n"
+        "  presets:  # my own notes, not read by kvchat\n"
+        "    kv_type: INT4\n"
+        "  kv_type: FP16\n"
+    )
+    path = write_config(text)
+    settings = load_settings().settings
+    changed = dataclasses.replace(
+        settings, long_context=dataclasses.replace(settings.long_context, kv_type="INT8")
+    )
+    save_settings(changed, path)
+    saved = path.read_text(encoding="utf-8")
+    assert saved.startswith(text.replace("  kv_type: FP16", "  kv_type: INT8"))
+    assert load_settings().settings == changed

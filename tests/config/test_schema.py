@@ -1,0 +1,182 @@
+"""The schema is the single source of truth: the packaged YAML, its comments and the
+field metadata must all agree with it."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from kvchat.config import (
+    GenerationSettings,
+    LongContextSettings,
+    ModelSettings,
+    Settings,
+    UISettings,
+    default_config_path,
+    kvchat_home,
+    schema_fields,
+    settings_to_yaml,
+)
+from kvchat.config.schema import sections
+from kvchat.config.store import default_yaml
+from kvchat.config.validate import coerce
+from kvchat.config.yamltext import parse
+
+SECTION_CLASSES = [ModelSettings, GenerationSettings, LongContextSettings, UISettings]
+ALL_SPECS = [(name, spec) for name, cls, _ in sections() for spec in schema_fields(cls)]
+SPEC_IDS = [f"{name}.{spec.name}" for name, spec in ALL_SPECS]
+
+
+def _comment_above(lines: list[str], index: int) -> str:
+    """The comment block right above line `index`, joined into one line of text."""
+    parts = []
+    i = index - 1
+    while i >= 0 and lines[i].lstrip().startswith("#"):
+        parts.insert(0, lines[i].lstrip()[1:].strip())
+        i -= 1
+    return " ".join(parts)
+
+
+def test_sections_are_the_four_in_file_order():
+    assert [name for name, _, _ in sections()] == ["model", "generation", "long_context", "ui"]
+    assert [cls for _, cls, _ in sections()] == SECTION_CLASSES
+
+
+@pytest.mark.parametrize(("section", "spec"), ALL_SPECS, ids=SPEC_IDS)
+def test_default_yaml_has_every_key_with_its_comment_and_default(section, spec):
+    text = default_yaml()
+    data = parse(text)
+    value = data[section][spec.name]
+    assert value == spec.default and type(value) is type(spec.default)
+
+    lines = text.splitlines()
+    start = lines.index(f"{section}:")
+    index = next(i for i in range(start, len(lines)) if lines[i].startswith(f"  {spec.name}:"))
+    comment = _comment_above(lines, index)
+    assert spec.help in comment
+    assert spec.allowed() in comment
+
+
+def test_default_yaml_is_rendered_from_the_schema():
+    assert default_yaml() == settings_to_yaml(Settings()), (
+        "config/default.yaml is out of date; regenerate it with: python -c "
+        '"from kvchat.config import settings_to_yaml, Settings; '
+        "print(settings_to_yaml(Settings()), end='')\" > config/default.yaml"
+    )
+
+
+def test_default_yaml_has_no_other_keys():
+    data = parse(default_yaml())
+    assert {s: set(v) for s, v in data.items()} == {
+        name: {spec.name for spec in schema_fields(cls)} for name, cls, _ in sections()
+    }
+
+
+@pytest.mark.parametrize(("section", "spec"), ALL_SPECS, ids=SPEC_IDS)
+def test_every_field_is_fully_described(section, spec):
+    assert spec.type in (bool, int, float, str)
+    assert spec.help and "\n" not in spec.help and spec.help.endswith(".")
+    if spec.type in (int, float):
+        assert spec.min is not None and spec.max is not None and spec.min < spec.max
+    else:
+        assert spec.min is None and spec.max is None
+    if spec.choices is not None:
+        assert spec.type is str and spec.default in spec.choices
+    # The default passes its own checks unchanged.
+    assert coerce(spec, f"{section}.{spec.name}", spec.default) == spec.default
+
+
+def test_schema_fields_gives_what_a_settings_screen_needs():
+    specs = {spec.name: spec for spec in schema_fields(LongContextSettings)}
+    assert list(specs) == [
+        "chunk_size",
+        "max_seq_len",
+        "block_size",
+        "local_windows_len",
+        "second_select_num",
+        "threads_num",
+        "anchor_type",
+        "kv_type",
+        "dense_layer_num",
+        "anchor_num",
+        "preselect_block",
+        "head_select_mode",
+        "preselect_block_count",
+        "layer_step",
+        "token_step",
+        "attention",
+        "position_mode",
+    ]
+    kv = specs["kv_type"]
+    assert (kv.type, kv.default, kv.choices) == (str, "FP16", ("FP16", "INT8", "INT4"))
+    block = specs["block_size"]
+    assert (block.type, block.default, block.min, block.max, block.multiple_of) == (
+        int,
+        128,
+        32,
+        4096,
+        32,
+    )
+    assert block.allowed() == "an integer from 32 to 4096 that is a multiple of 32"
+    assert specs["preselect_block"].allowed() == "true or false"
+    assert schema_fields(UISettings)[1].allowed() == "a number from 0.5 to 30"
+
+
+def test_defaults_are_the_documented_ones():
+    s = Settings()
+    assert (s.model.path, s.model.dtype, s.model.device, s.model.threads) == (
+        "smollm2-135m",
+        "auto",
+        "auto",
+        0,
+    )
+    assert dataclasses.astuple(s.generation) == (512, 0.0, 1.0, 0, 1.0, 0)
+    assert dataclasses.astuple(s.long_context) == (
+        4096,
+        32768,
+        128,
+        4096,
+        32,
+        0,
+        "DYNAMIC",
+        "FP16",
+        2,
+        1,
+        False,
+        "SHARED",
+        32,
+        1,
+        1,
+        "dense",
+        "auto",
+    )
+    assert dataclasses.astuple(s.ui) == ("dark", 4.0, True)
+
+
+def test_settings_are_frozen():
+    s = Settings()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.long_context.kv_type = "INT8"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        s.ui = UISettings()
+
+
+def test_rendered_yaml_lines_fit_the_comment_width():
+    assert max(len(line) for line in settings_to_yaml(Settings()).splitlines()) <= 92
+    # Wrapping must not split words such as "end-of-turn" across comment lines.
+    assert not re.search(r"-\n", settings_to_yaml(Settings()))
+
+
+def test_kvchat_home_follows_the_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "h"))
+    assert kvchat_home() == tmp_path / "h"
+    assert default_config_path() == tmp_path / "h" / "config.yaml"
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("KVCHAT_HOME", "~/elsewhere")
+    assert kvchat_home() == tmp_path / "elsewhere"
+    for unset in (monkeypatch.delenv, lambda name: monkeypatch.setenv(name, "")):
+        unset("KVCHAT_HOME")
+        assert kvchat_home() == Path.home() / ".kvchat" == tmp_path / ".kvchat"
