@@ -1,0 +1,145 @@
+"""Read a Hugging Face folder (config.json + safetensors, single or sharded) into ModelWeights."""
+
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack
+from dataclasses import fields
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+from .model_config import ModelConfig, RopeScaling, UnsupportedModelError
+from .weights import ModelWeights, WeightsError, expected_shapes
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_ROPE_FIELDS = tuple(f.name for f in fields(RopeScaling) if f.name != "rope_type")
+
+
+def load_hf(folder: Path) -> ModelWeights:
+    """Every decoder tensor as float32; config and shapes are checked before any data is read."""
+    raw = _read_json(folder / "config.json")
+    config = config_from_hf(raw, folder.name, _generation_eos(folder))
+    shapes = expected_shapes(config)
+    with ExitStack() as stack:
+        try:
+            handles = [
+                stack.enter_context(safe_open(folder / file, framework="pt"))
+                for file in _shard_files(folder)
+            ]
+            where = {name: handle for handle in handles for name in handle.keys()}
+            for name, shape in shapes.items():
+                if name not in where:
+                    raise WeightsError(f"{folder}: missing tensor {name}")
+                found = tuple(where[name].get_slice(name).get_shape())
+                if found != shape:
+                    raise WeightsError(
+                        f"{folder}: tensor {name} has shape {found}, expected {shape}"
+                    )
+            tensors = {
+                name: where[name].get_tensor(name).to(torch.float32).contiguous() for name in shapes
+            }
+        except (SafetensorError, OSError) as exc:
+            raise WeightsError(f"{folder}: unreadable safetensors file: {exc}") from exc
+    return ModelWeights(config, tensors, {}, folder, raw)
+
+
+def config_from_hf(
+    raw: dict[str, object], name: str = "", extra_eos: tuple[int, ...] = ()
+) -> ModelConfig:
+    """ModelConfig from a transformers config.json dict (transformers 4 or 5 layout)."""
+    names = raw.get("architectures") or []
+    arch_name = names[0] if isinstance(names, list) and names else raw.get("model_type")
+    if arch_name not in ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"{name}: architecture {arch_name!r} is not supported; "
+            f"supported: {', '.join(ARCHITECTURES)}"
+        )
+    arch = ARCHITECTURES[arch_name]
+    # Llama's attention_bias also puts a bias on o_proj, which ModelConfig cannot express.
+    if raw.get("mlp_bias") or (arch != "qwen2" and raw.get("attention_bias")):
+        raise UnsupportedModelError(
+            f"{name}: {arch_name} with attention_bias or mlp_bias (o_proj / MLP biases) "
+            "is not supported"
+        )
+
+    def required(key: str) -> int:
+        value = raw.get(key)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            what = "missing" if value is None else f"invalid ({value!r})"
+            raise WeightsError(f"config.json: {key} is {what}")
+        return value
+
+    hidden, heads = required("hidden_size"), required("num_attention_heads")
+    # transformers 5 moved rope_theta and the scaling into one rope_parameters dict.
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    return ModelConfig(
+        architecture=arch,
+        vocab_size=required("vocab_size"),
+        hidden_size=hidden,
+        intermediate_size=required("intermediate_size"),
+        num_layers=required("num_hidden_layers"),
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads") or heads,
+        head_dim=raw.get("head_dim") or hidden // heads,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        max_position_embeddings=required("max_position_embeddings"),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        attention_bias=arch == "qwen2",
+        rope_scaling=rope_scaling_from_dict(rope),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=tuple(dict.fromkeys(_ids(raw.get("eos_token_id")) + extra_eos)),
+        name=name,
+    )
+
+
+def rope_scaling_from_dict(rope: dict[str, object]) -> RopeScaling:
+    """RopeScaling from `rope_scaling` (key `type` or `rope_type`) or `rope_parameters`."""
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    return RopeScaling(
+        rope_type=str(kind), **{k: rope[k] for k in _ROPE_FIELDS if rope.get(k) is not None}
+    )
+
+
+def _ids(value: object) -> tuple[int, ...]:
+    if isinstance(value, int):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(v for v in value if isinstance(v, int))
+    return ()
+
+
+def _generation_eos(folder: Path) -> tuple[int, ...]:
+    """Chat models often list their end-of-turn tokens only in generation_config.json."""
+    path = folder / "generation_config.json"
+    return _ids(_read_json(path).get("eos_token_id")) if path.is_file() else ()
+
+
+def _shard_files(folder: Path) -> list[str]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = _read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise WeightsError(f"{index}: no weight_map")
+        return sorted(set(weight_map.values()))
+    if not (folder / "model.safetensors").is_file():
+        raise WeightsError(
+            f"{folder} has neither model.safetensors nor model.safetensors.index.json"
+        )
+    return ["model.safetensors"]
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise WeightsError(f"{path}: unreadable JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise WeightsError(f"{path}: expected a JSON object")
+    return data

