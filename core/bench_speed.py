@@ -1,0 +1,129 @@
+"""`kvchat bench speed`: prefill and decode tok/s of our engine and of transformers, one run.
+
+Both run in this process on the same weights and the same prompt, so the ratio between them
+is meaningful on a shared, noisy machine even when the absolute numbers wander.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from kvchat.config import Settings
+
+from .engine import Engine
+from .haystack import make_passkey_document
+from .weights import resolve_model_path
+
+Log = Callable[[str], None]
+
+
+def _prompt_ids(engine: Engine, n_tokens: int) -> list[int]:
+    text = make_passkey_document(engine.tokenizer, n_tokens + 64, depth=0.5, passkey=12345)
+    return engine.tokenizer.encode(text)[:n_tokens]
+
+
+def _bench_ours(engine: Engine, ids: list[int], decode_tokens: int) -> dict[str, float]:
+    session = engine.new_session()
+    started = time.perf_counter()
+    logits = session.extend(ids)
+    prefill_s = time.perf_counter() - started
+    token = int(logits.argmax())
+    started = time.perf_counter()
+    with torch.inference_mode():
+        for _ in range(decode_tokens):
+            token = int(engine.model.forward(torch.tensor([token]), session.cache)[-1].argmax())
+    decode_s = time.perf_counter() - started
+    return {
+        "prefill_tok_s": len(ids) / prefill_s,
+        "decode_tok_s": decode_tokens / decode_s,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+    }
+
+
+def _load_transformers(spec: str):
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(spec)
+    if path.is_dir():
+        return AutoModelForCausalLM.from_pretrained(path).eval()
+    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
+
+
+def _bench_transformers(model, ids: list[int], decode_tokens: int) -> dict[str, float]:
+    with torch.inference_mode():
+        started = time.perf_counter()
+        out = model(torch.tensor([ids]), use_cache=True)
+        prefill_s = time.perf_counter() - started
+        past = out.past_key_values
+        token = out.logits[0, -1].argmax().view(1, 1)
+        started = time.perf_counter()
+        for _ in range(decode_tokens):
+            out = model(token, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+            token = out.logits[0, -1].argmax().view(1, 1)
+        decode_s = time.perf_counter() - started
+    return {
+        "prefill_tok_s": len(ids) / prefill_s,
+        "decode_tok_s": decode_tokens / decode_s,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+    }
+
+
+def run_speed_bench(
+    settings: Settings,
+    contexts: list[int],
+    model_spec: str | None = None,
+    decode_tokens: int = 32,
+    with_transformers: bool = True,
+    log: Log = print,
+) -> dict:
+    """Measure both engines at every context size; returns a JSON-ready dict with ratios."""
+    longest = max(contexts) + decode_tokens + 64
+    lc = settings.long_context
+    if lc.max_seq_len < longest:
+        settings = replace(settings, long_context=replace(lc, max_seq_len=longest))
+    engine = Engine.load(settings, model_spec)
+    hf = _load_transformers(model_spec or settings.model.path) if with_transformers else None
+    rows = []
+    for n in contexts:
+        ids = _prompt_ids(engine, n)
+        ours = _bench_ours(engine, ids, decode_tokens)
+        row: dict = {"context": n, "kvchat": ours}
+        line = (
+            f"{n:>7} tokens  kvchat prefill {ours['prefill_tok_s']:7.1f} tok/s  "
+            f"decode {ours['decode_tok_s']:6.1f} tok/s"
+        )
+        if hf is not None:
+            theirs = _bench_transformers(hf, ids, decode_tokens)
+            row["transformers"] = theirs
+            row["decode_ratio"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
+            row["prefill_ratio"] = ours["prefill_tok_s"] / theirs["prefill_tok_s"]
+            line += (
+                f"  | transformers prefill {theirs['prefill_tok_s']:7.1f}  decode "
+                f"{theirs['decode_tok_s']:6.1f}  | ratio prefill {row['prefill_ratio']:.2f}x "
+                f"decode {row['decode_ratio']:.2f}x"
+            )
+        log(line)
+        rows.append(row)
+    stats = engine.stats()
+    return {
+        "benchmark": "speed",
+        "model": stats.model,
+        "dtype": stats.dtype,
+        "weight_format": stats.weight_format,
+        "attention": stats.attention,
+        "threads": stats.threads,
+        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "torch": torch.__version__,
+        "decode_tokens": decode_tokens,
+        "results": rows,
+    }

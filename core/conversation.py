@@ -1,0 +1,66 @@
+"""A chat about one long document, rendered to token ids with the model's chat template.
+
+The document sits at the start of the first user message, so its tokens form a prefix that
+stays the same for every later question: a follow-up prefills only the new turns. It is
+tokenized once (it can be 1M tokens); the template around it is rendered with a placeholder
+and only the small pieces around the placeholder are tokenized per turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .tokenizer import Tokenizer
+
+_PLACEHOLDER = "\u0000kvchat-document\u0000"
+_PENDING_QUESTION = "\u0000kvchat-question\u0000"
+
+
+@dataclass
+class Conversation:
+    system: str | None = None
+    document_ids: list[int] = field(default_factory=list)
+    document_name: str | None = None
+    messages: list[dict[str, str]] = field(default_factory=list)  # user/assistant turns
+
+    def _template_messages(self, pending_question: str | None) -> list[dict[str, str]]:
+        turns = list(self.messages)
+        if pending_question is not None:
+            turns.append({"role": "user", "content": pending_question})
+        if self.document_ids and turns:
+            first = turns[0]
+            turns[0] = {"role": first["role"], "content": f"{_PLACEHOLDER}\n\n{first['content']}"}
+        system = [{"role": "system", "content": self.system}] if self.system else []
+        return system + turns
+
+    def prompt_ids(self, tokenizer: Tokenizer, question: str) -> list[int]:
+        """Ids of the whole history plus `question` as a new user turn, ready for the reply."""
+        text = tokenizer.chat_text(self._template_messages(question), add_generation_prompt=True)
+        return self._encode_around_document(tokenizer, text)
+
+    def document_prefix_ids(self, tokenizer: Tokenizer) -> list[int]:
+        """Ids up to the end of the document: what can be prefilled before any question."""
+        if not self.document_ids or self.messages:
+            raise ValueError("a document prefix exists only before the first question")
+        text = tokenizer.chat_text(
+            self._template_messages(_PENDING_QUESTION), add_generation_prompt=False
+        )
+        return self._encode_around_document(
+            tokenizer, text[: text.index(_PLACEHOLDER) + len(_PLACEHOLDER)]
+        )
+
+    def _encode_around_document(self, tokenizer: Tokenizer, text: str) -> list[int]:
+        if not self.document_ids:
+            return tokenizer.encode(text)
+        before, after = text.split(_PLACEHOLDER, 1)
+        return (
+            tokenizer.encode(before)
+            + self.document_ids
+            + (tokenizer.encode(after) if after else [])
+        )
+
+    def add_turn(self, question: str, answer: str) -> None:
+        self.messages += [
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": answer},
+        ]

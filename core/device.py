@@ -1,0 +1,46 @@
+"""Where the model runs and in which dtype, resolved from the `model` settings."""
+
+from __future__ import annotations
+
+import os
+from functools import cache
+
+import torch
+
+
+@cache
+def cpu_has_bf16() -> bool:
+    """True when the CPU computes bf16 natively (AVX512-BF16 or AMX); then bf16 is fastest."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_device(setting: str) -> torch.device:
+    if setting == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            "model.device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'"
+        )
+    if setting == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(setting)
+
+
+def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
+    if setting == "auto":
+        # Without native bf16, bf16 matmuls run emulated and fp32 is faster.
+        fast_bf16 = device.type == "cuda" or cpu_has_bf16()
+        return torch.bfloat16 if fast_bf16 else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
+
+
+def configure_threads(threads: int) -> int:
+    """Set torch's intra-op threads (0 = every core this process may use); returns the count."""
+    n = threads or len(os.sched_getaffinity(0))
+    torch.set_num_threads(n)
+    # bf16-derived weights used in fp32 can hit denormal slow paths (10x slower decode).
+    torch.set_flush_denormal(True)
+    return n

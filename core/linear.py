@@ -1,0 +1,94 @@
+"""Linear layers in the weight format that runs fastest for the file and the compute dtype.
+
+GGUF Q4_0/Q4_1 weights are exact 4-bit integers in groups of 32, so on the CPU with bf16
+activations they run through PyTorch's int4 group-32 kernel without losing anything and read
+a quarter of the bytes; every other case is a plain matrix in the compute dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+from .weights import Int4Groups
+
+WEIGHT_FORMATS = ("dense", "int4")
+_INT4_GROUP = 32
+
+
+class Linear(Protocol):
+    out_features: int
+    nbytes: int
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+
+class DenseLinear:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias
+        self.out_features = weight.shape[0]
+        self.nbytes = _nbytes(weight, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Int4Linear:
+    """y = x @ W.T with W = q * scale + minimum, q packed two per byte (CPU kernel)."""
+
+    def __init__(self, groups: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
+        self.out_features = groups.q.shape[0]
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(
+            groups.q.to(torch.int32), 1
+        )
+        # The kernel computes (q - 8) * scale + zero, so zero = minimum + 8 * scale.
+        zero = groups.minimum + 8 * groups.scale
+        self.scale_zero = torch.stack([groups.scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
+        self.bias = bias
+        self.nbytes = _nbytes(self.packed, self.scale_zero, bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x.reshape(-1, shape[-1]), self.packed, _INT4_GROUP, self.scale_zero
+        )
+        y = y.reshape(*shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def _nbytes(*tensors: torch.Tensor | None) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def _concat_groups(groups: list[Int4Groups]) -> Int4Groups:
+    return Int4Groups(
+        q=torch.cat([g.q for g in groups]),
+        scale=torch.cat([g.scale for g in groups]),
+        minimum=torch.cat([g.minimum for g in groups]),
+    )
+
+
+def make_linear(
+    mats: list[torch.Tensor],
+    int4: list[Int4Groups | None],
+    bias: torch.Tensor | None,
+    weight_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Linear:
+    """One linear layer from the row blocks `mats` (fused along the output dim)."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {weight_format!r}; choose one of {WEIGHT_FORMATS}")
+    bias = None if bias is None else bias.to(device=device, dtype=dtype)
+    usable_int4 = (
+        weight_format == "int4"
+        and device.type == "cpu"
+        and all(g is not None for g in int4)
+        and mats[0].shape[1] % _INT4_GROUP == 0
+    )
+    if usable_int4:
+        return Int4Linear(_concat_groups(int4), bias, dtype)  # type: ignore[arg-type]
+    weight = torch.cat(mats).to(device=device, dtype=dtype).contiguous()
+    return DenseLinear(weight, bias)

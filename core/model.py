@@ -1,0 +1,151 @@
+"""The decoder: a Llama-family transformer (Llama, Mistral, Qwen2) in plain PyTorch.
+
+Attention is delegated to an `AttentionBackend`, which owns the KV cache; this file only
+knows projections, norms and the MLP. The token embedding stays on the CPU (the table can be
+large) and only the rows of the current chunk move to the compute device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from kvchat.kv.backend import AttentionBackend
+
+from .linear import DenseLinear, Linear, make_linear
+from .rope import Rope
+from .weights import ModelWeights, WeightsError
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # Normalise in fp32 like the reference implementation; bf16 variance loses digits.
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+@dataclass
+class Layer:
+    attn_norm: torch.Tensor
+    qkv: Linear  # q, k and v projections fused: one matmul instead of three
+    o: Linear
+    mlp_norm: torch.Tensor
+    gate_up: Linear  # gate and up projections fused
+    down: Linear
+
+
+class Transformer:
+    """Weights plus the forward pass. Holds no per-sequence state: that is the backend's."""
+
+    def __init__(
+        self,
+        weights: ModelWeights,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        weight_format: str = "dense",
+    ) -> None:
+        cfg = weights.config
+        self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
+        t = weights.tensors
+
+        def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+            if name not in t:
+                raise WeightsError(f"{weights.source}: tensor {name!r} is missing")
+            if tuple(t[name].shape) != shape:
+                raise WeightsError(
+                    f"{weights.source}: tensor {name!r} has shape {tuple(t[name].shape)}, "
+                    f"expected {shape}"
+                )
+            return t[name]
+
+        def vec(name: str, size: int) -> torch.Tensor:
+            return tensor(name, (size,)).to(device=self.device, dtype=dtype)
+
+        def linear(names: list[str], out_sizes: list[int], in_size: int, bias: bool) -> Linear:
+            mats = [
+                tensor(f"{n}.weight", (o, in_size)) for n, o in zip(names, out_sizes, strict=True)
+            ]
+            int4 = [weights.int4.get(f"{n}.weight") for n in names]
+            biases = (
+                torch.cat(
+                    [tensor(f"{n}.bias", (o,)) for n, o in zip(names, out_sizes, strict=True)]
+                )
+                if bias
+                else None
+            )
+            return make_linear(mats, int4, biases, weight_format, dtype, self.device)
+
+        h, d = cfg.hidden_size, cfg.head_dim
+        q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
+        self.layers: list[Layer] = []
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            attn = [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"]
+            self.layers.append(
+                Layer(
+                    attn_norm=vec(p + "input_layernorm.weight", h),
+                    qkv=linear(attn, [q_out, kv_out, kv_out], h, cfg.attention_bias),
+                    o=linear([p + "self_attn.o_proj"], [h], q_out, False),
+                    mlp_norm=vec(p + "post_attention_layernorm.weight", h),
+                    gate_up=linear(
+                        [p + "mlp.gate_proj", p + "mlp.up_proj"],
+                        [cfg.intermediate_size] * 2,
+                        h,
+                        False,
+                    ),
+                    down=linear([p + "mlp.down_proj"], [h], cfg.intermediate_size, False),
+                )
+            )
+        self.embed = tensor("model.embed_tokens.weight", (cfg.vocab_size, h)).to(dtype)
+        self.norm = vec("model.norm.weight", h)
+        self.lm_head: Linear
+        # A tied head on the CPU shares the embedding table instead of holding a second copy.
+        self._head_is_embed = cfg.tie_word_embeddings and self.device.type == "cpu"
+        if self._head_is_embed:
+            self.lm_head = DenseLinear(self.embed, None)
+        else:
+            head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+            self.lm_head = linear([head], [cfg.vocab_size], h, False)
+        self.rope = Rope(cfg, self.device)
+        self._split = [q_out, kv_out, kv_out]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of weights held (embedding table included)."""
+        linears = [
+            m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
+        vectors = [v for layer in self.layers for v in (layer.attn_norm, layer.mlp_norm)]
+        return (
+            sum(m.nbytes for m in linears)
+            + sum(v.numel() * v.element_size() for v in [*vectors, self.norm, self.embed])
+            + (0 if self._head_is_embed else self.lm_head.nbytes)
+        )
+
+    def forward(
+        self, ids: torch.Tensor, backend: AttentionBackend, all_logits: bool = False
+    ) -> torch.Tensor:
+        """Run tokens `ids` [T] at positions backend.length .. +T; return fp32 logits.
+
+        Logits of the last token only ([1, vocab]) unless `all_logits` ([T, vocab]).
+        """
+        cfg = self.cfg
+        n = ids.shape[0]
+        x = F.embedding(ids, self.embed).to(self.device)
+        backend.begin(n)
+        for i, layer in enumerate(self.layers):
+            qkv = layer.qkv(rms_norm(x, layer.attn_norm, cfg.rms_norm_eps))
+            q, k, v = qkv.split(self._split, dim=-1)
+            q = q.view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
+            k = k.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+            v = v.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+            attn = backend.attend(i, q, k, v)
+            x = x + layer.o(attn.transpose(0, 1).reshape(n, -1))
+            gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        backend.commit()
+        if not all_logits:
+            x = x[-1:]
+        return self.lm_head(rms_norm(x, self.norm, cfg.rms_norm_eps)).float()

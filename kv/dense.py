@@ -1,0 +1,155 @@
+"""Dense attention: every query reads every earlier key; the reference for the sparse cache."""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import AttentionBackend, CacheStats
+from .merge import merge_partials
+from .positions import RopeTables, rotate
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+class ContextFullError(RuntimeError):
+    """A pass would grow the cache past the size it was planned for."""
+
+
+def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """One query token per head over k, v [n_kv, S, D]; q [n_heads, 1, D] -> [n_heads, 1, D].
+
+    Query heads of one GQA group are folded onto their KV head so each key is read once; a
+    plain matmul-softmax-matmul beats scaled_dot_product_attention for a single query here.
+    """
+    n_heads, _, dim = q.shape
+    n_kv = k.shape[0]
+    qg = q.reshape(n_kv, n_heads // n_kv, dim)
+    scores = torch.matmul(qg, k.transpose(1, 2)).mul_(dim**-0.5)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
+    return torch.matmul(probs, v).reshape(n_heads, 1, dim)
+
+
+def chunk_attention(
+    q: torch.Tensor,
+    k_past: torch.Tensor,
+    v_past: torch.Tensor,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+) -> torch.Tensor:
+    """Causal attention of a chunk of queries over past keys plus the chunk's own keys.
+
+    q: [n_heads, T, D]; k_past, v_past: [n_kv, P, D]; k_new, v_new: [n_kv, T, D].
+    The past part needs no mask and the chunk part is plain causal, so both run on the
+    flash kernel without an explicit mask (a mask stops it skipping work) and are merged by
+    log-sum-exp.
+    """
+    n_heads, t, dim = q.shape
+    n_kv = k_new.shape[0]
+    group = n_heads // n_kv
+    o_new, lse_new = _flash(
+        q.unsqueeze(0),
+        k_new.repeat_interleave(group, dim=0).unsqueeze(0),
+        v_new.repeat_interleave(group, dim=0).unsqueeze(0),
+        0.0,
+        True,
+    )
+    if k_past.shape[1] == 0:
+        return o_new[0]
+    o_past, lse_past = _flash(
+        q.reshape(1, n_kv, group * t, dim), k_past.unsqueeze(0), v_past.unsqueeze(0), 0.0, False
+    )
+    out, _ = merge_partials(
+        [o_past.reshape(n_heads, t, dim), o_new[0]],
+        [lse_past.reshape(n_heads, t), lse_new[0]],
+    )
+    return out
+
+
+class DenseBackend(AttentionBackend):
+    """Keys (after RoPE, absolute positions) and values of every token, per layer, in one buffer."""
+
+    name = "dense"
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        rope: RopeTables,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        max_tokens: int,
+    ) -> None:
+        self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
+        self.rope, self.dtype, self.device = rope, dtype, torch.device(device)
+        self.max_tokens = max_tokens
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        self._capacity = 0
+        self._length = 0
+        self._n_new = 0
+        self._cos = self._sin = torch.empty(0)
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    def reserve(self, n_tokens: int) -> None:
+        self._grow(min(n_tokens, self.max_tokens))
+
+    def _grow(self, needed: int) -> None:
+        if needed <= self._capacity:
+            return
+        # Doubling keeps the copies of a long chunked prefill linear in total.
+        capacity = min(max(needed, 2 * self._capacity, 256), self.max_tokens)
+        shape = (self.n_kv_heads, capacity, self.head_dim)
+        keep = self._length
+        for store in (self._k, self._v):
+            for i in range(self.n_layers):
+                fresh = torch.empty(shape, dtype=self.dtype, device=self.device)
+                if i < len(store):
+                    fresh[:, :keep] = store[i][:, :keep]
+                    store[i] = fresh
+                else:
+                    store.append(fresh)
+        self._capacity = capacity
+
+    def begin(self, n_new: int) -> None:
+        end = self._length + n_new
+        if end > self.max_tokens:
+            raise ContextFullError(
+                f"the cache holds at most {self.max_tokens} tokens "
+                f"(long_context.max_seq_len); this pass would reach {end}"
+            )
+        self._grow(end)
+        self._n_new = n_new
+        self._cos, self._sin = self.rope.cos_sin(self._length, n_new, self.dtype)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        start, end = self._length, self._length + self._n_new
+        q = rotate(q, self._cos, self._sin)
+        k = rotate(k, self._cos, self._sin)
+        keys, values = self._k[layer], self._v[layer]
+        keys[:, start:end] = k
+        values[:, start:end] = v
+        if self._n_new == 1:
+            return decode_attention(q, keys[:, :end], values[:, :end])
+        return chunk_attention(q, keys[:, :start], values[:, :start], k, v)
+
+    def commit(self) -> None:
+        self._length += self._n_new
+        self._n_new = 0
+
+    def truncate(self, n_tokens: int) -> None:
+        self._length = min(self._length, max(n_tokens, 0))
+
+    def stats(self) -> CacheStats:
+        per_token = 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+        return CacheStats(
+            backend=self.name,
+            tokens=self._length,
+            capacity_tokens=self._capacity,
+            kv_bytes=per_token * self._capacity,
+            kv_dtype=str(self.dtype).removeprefix("torch."),
+            position_mode="native",
+        )

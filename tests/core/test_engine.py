@@ -1,0 +1,184 @@
+"""The Engine and Session on the real SmolLM2-135M, against transformers on the same GGUF."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import replace
+
+import pytest
+import torch
+
+from kvchat.core.cancel import Cancelled
+from kvchat.core.plan import PlanRefusedError
+
+QUESTION = "What is the capital of France? Answer in one sentence."
+
+
+@pytest.fixture(scope="module")
+def hf_model(smollm_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(
+        smollm_path.parent, gguf_file=smollm_path.name
+    ).eval()
+
+
+def _chat_ids(engine, question=QUESTION):
+    return engine.tokenizer.chat_ids([{"role": "user", "content": question}])
+
+
+def test_logits_and_greedy_tokens_match_transformers(engine_fp32, hf_model):
+    ids = _chat_ids(engine_fp32)
+    session = engine_fp32.new_session()
+    with torch.inference_mode():
+        ours = engine_fp32.model.forward(torch.tensor(ids), session.cache, all_logits=True)
+        ref = hf_model(torch.tensor([ids])).logits[0].float()
+    assert (ours - ref).abs().max().item() < 1e-4
+
+    session = engine_fp32.new_session()
+    session.sync(ids)
+    greedy = replace(engine_fp32.settings.generation, temperature=0.0, max_new_tokens=32)
+    mine = list(session.generate(greedy))
+    with torch.inference_mode():
+        theirs = hf_model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=32,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=engine_fp32.tokenizer.eos_ids[0],
+        )[0, len(ids) :].tolist()
+    # Stop where either model ended its turn; up to there the tokens must be identical.
+    n = len(mine)
+    assert n == 32 or mine[-1] in engine_fp32.tokenizer.eos_ids
+    assert mine == theirs[:n]
+    assert n >= 8
+
+
+def test_chunked_prefill_equals_one_pass(engine_fp32, settings_fp32):
+    from kvchat.core.engine import Engine
+
+    ids = _chat_ids(engine_fp32, "Tell me about the history of Paris, briefly. " * 8)
+    whole = engine_fp32.new_session().extend(ids)
+    small = replace(settings_fp32, long_context=replace(settings_fp32.long_context, chunk_size=16))
+    chunked = Engine(
+        small,
+        engine_fp32.model,
+        engine_fp32.tokenizer,
+        engine_fp32.source,
+        engine_fp32.threads,
+        engine_fp32.weight_format,
+    )
+    progress = []
+    last = chunked.session.extend(ids, on_progress=lambda d, t: progress.append((d, t)))
+    assert (last - whole).abs().max().item() < 1e-4
+    assert progress[-1] == (len(ids), len(ids))
+    assert [d for d, _ in progress] == sorted({d for d, _ in progress})
+    assert len(progress) == -(-len(ids) // 16)
+
+
+def test_cancelled_prefill_leaves_session_usable(engine_fp32, settings_fp32):
+    from kvchat.core.engine import Engine
+
+    small = replace(settings_fp32, long_context=replace(settings_fp32.long_context, chunk_size=16))
+    engine = Engine(
+        small,
+        engine_fp32.model,
+        engine_fp32.tokenizer,
+        engine_fp32.source,
+        engine_fp32.threads,
+        engine_fp32.weight_format,
+    )
+    ids = _chat_ids(engine, "Summarise the plot of Hamlet in detail. " * 6)
+    cancel = threading.Event()
+
+    def stop_after_two(done, total):
+        if done >= 32:
+            cancel.set()
+
+    with pytest.raises(Cancelled):
+        engine.session.extend(ids, on_progress=stop_after_two, cancel=cancel)
+    assert engine.session.tokens == ids[:32]
+    assert engine.session.cache.length == 32
+    # Resuming prefills only the rest and gives the same logits as an uncancelled run.
+    assert engine.session.sync(ids) == len(ids) - 32
+    fresh = engine_fp32.new_session().extend(ids)
+    assert (engine.session._logits - fresh).abs().max().item() < 1e-4
+
+
+def test_generation_cancel_and_limit(engine_fp32):
+    session = engine_fp32.new_session()
+    session.sync(_chat_ids(engine_fp32))
+    params = replace(engine_fp32.settings.generation, max_new_tokens=5, temperature=0.0)
+    assert len(list(session.generate(params))) <= 5
+    cancel = threading.Event()
+    got = []
+    for token in session.generate(replace(params, max_new_tokens=50), cancel):
+        got.append(token)
+        cancel.set()
+    assert len(got) == 1
+
+
+def test_follow_up_prefills_only_new_tokens(engine_fp32):
+    session = engine_fp32.new_session()
+    params = replace(engine_fp32.settings.generation, max_new_tokens=12, temperature=0.0)
+    first = "".join(session.ask("Name a colour.", params))
+    assert first
+    cached = len(session.tokens)
+    ids = session.conversation.prompt_ids(engine_fp32.tokenizer, "Name another one.")
+    prefilled = session.sync(ids)
+    # Everything up to the previous reply is reused; the re-rendered reply may differ in its
+    # last token or two (re-tokenisation), never in the prefix.
+    assert prefilled <= len(ids) - cached + 4
+    assert prefilled < len(ids) // 2
+
+
+def test_sampling_is_seeded(engine_fp32):
+    params = replace(
+        engine_fp32.settings.generation,
+        temperature=0.9,
+        top_p=0.9,
+        top_k=50,
+        seed=7,
+        max_new_tokens=10,
+    )
+    runs = []
+    for _ in range(2):
+        session = engine_fp32.new_session()
+        session.sync(_chat_ids(engine_fp32, "Write a short poem."))
+        runs.append(list(session.generate(params)))
+    assert runs[0] == runs[1]
+
+
+def test_prompt_over_max_seq_len_is_refused_with_numbers(engine_fp32, settings_fp32):
+    from kvchat.core.engine import Engine
+
+    tight = replace(
+        settings_fp32, long_context=replace(settings_fp32.long_context, max_seq_len=1024)
+    )
+    engine = Engine(
+        tight,
+        engine_fp32.model,
+        engine_fp32.tokenizer,
+        engine_fp32.source,
+        engine_fp32.threads,
+        engine_fp32.weight_format,
+    )
+    with pytest.raises(PlanRefusedError) as e:
+        engine.check_fits(1000, 512)
+    msg = str(e.value)
+    assert (
+        "1000" in msg and "512" in msg and "long_context.max_seq_len" in msg and "512 prompt" in msg
+    )
+
+
+def test_stats_snapshot(engine_fp32):
+    session = engine_fp32.new_session()
+    session.sync(_chat_ids(engine_fp32))
+    list(session.generate(replace(engine_fp32.settings.generation, max_new_tokens=4)))
+    s = engine_fp32.stats()
+    assert s.context_tokens == len(session.tokens) == s.cache.tokens
+    assert s.prefill_tokens > 0 and s.prefill_tok_s > 0
+    assert s.attention == "dense" and s.position_mode == "native"
+    assert s.rss_bytes > 0 and s.cache.kv_bytes > 0
+    with pytest.raises(AttributeError):
+        s.context_tokens = 0  # type: ignore[misc]
