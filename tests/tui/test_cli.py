@@ -1,0 +1,161 @@
+"""`kvchat ask` end to end with the real model, and every bad-input path of the CLI."""
+
+from __future__ import annotations
+
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvchat.tui.cli import EXIT_USAGE, main
+
+
+def run_cli(
+    *argv: str, stdin: str | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """The real entry point in a fresh process, as a user runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvchat.tui.cli", *argv],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=os.environ.copy(),
+    )
+
+
+def test_passkey_in_a_3k_token_haystack(tmp_path, smollm_path):
+    from kvchat.core.haystack import (
+        PASSKEY_QUESTION,
+        answer_is_correct,
+        make_passkey_document,
+        random_passkey,
+    )
+    from kvchat.core.tokenizer import load_tokenizer
+
+    rng = random.Random(20261130)
+    passkey = random_passkey(rng)
+    doc = make_passkey_document(load_tokenizer(smollm_path), 3000, rng.uniform(0.1, 0.9), passkey)
+    path = tmp_path / "haystack.txt"
+    path.write_text(doc)
+    result = run_cli(
+        "ask", "--prompt-file", str(path), "--set", "generation.max_new_tokens=24", PASSKEY_QUESTION
+    )
+    assert result.returncode == 0, result.stderr
+    assert answer_is_correct(result.stdout, passkey), (passkey, result.stdout)
+
+
+def test_question_from_stdin(tmp_path):
+    path = tmp_path / "note.txt"
+    path.write_text(
+        "The meeting is on Tuesday at the blue house. The blue house is on Elm Street.\n"
+    )
+    result = run_cli(
+        "ask",
+        "--prompt-file",
+        str(path),
+        "--set",
+        "generation.max_new_tokens=16",
+        stdin="Where is the meeting?",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+
+
+@pytest.mark.parametrize(
+    "make,expected",
+    [
+        (lambda d: d / "missing.txt", "no such file"),
+        (lambda d: d, "is a directory"),
+        (lambda d: _write(d / "empty.txt", b""), "the file is empty"),
+        (lambda d: _write(d / "blank.txt", b" \n\n \t\n"), "the file is empty"),
+        (lambda d: _write(d / "blob.bin", bytes(range(256)) * 4), "binary file"),
+        (lambda d: _write(d / "latin1.txt", "caf\xe9 cr\xe8me".encode("latin-1")), "not UTF-8"),
+    ],
+)
+def test_bad_prompt_files_exit_2_with_a_clear_message(tmp_path, capsys, make, expected):
+    path = make(tmp_path)
+    code = main(["ask", "--prompt-file", str(path), "What is it?"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE
+    assert expected in err and str(path) in err
+    assert "Traceback" not in err
+
+
+def test_missing_question_is_refused(tmp_path):
+    path = _write(tmp_path / "doc.txt", b"Some text.\n")
+    result = run_cli("ask", "--prompt-file", str(path), stdin="")
+    assert result.returncode == EXIT_USAGE
+    assert "no question given" in result.stderr
+
+
+def test_file_longer_than_the_plan_is_refused_before_prefill(tmp_path, capsys):
+    path = _write(tmp_path / "long.txt", ("The grass is green. The sky is blue. " * 400).encode())
+    code = main(
+        [
+            "ask",
+            "--prompt-file",
+            str(path),
+            "--set",
+            "long_context.max_seq_len=1024",
+            "--set",
+            "long_context.chunk_size=512",
+            "--set",
+            "generation.max_new_tokens=256",
+            "What colour is the sky?",
+        ]
+    )
+    captured = capsys.readouterr()
+    assert code == EXIT_USAGE
+    assert "long_context.max_seq_len is 1024" in captured.err
+    assert "at most 768 prompt tokens" in captured.err
+    assert "prefill:" not in captured.err  # refused before any prefill progress
+    assert captured.out == ""
+
+
+def test_bad_override_names_the_key(tmp_path, capsys):
+    path = _write(tmp_path / "doc.txt", b"Some text.\n")
+    code = main(["ask", "--prompt-file", str(path), "--set", "long_context.kv_type=FP8", "q?"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE
+    assert "long_context.kv_type" in err and "FP8" in err
+
+
+def test_unknown_model_file_is_a_clear_error(tmp_path, capsys):
+    doc = _write(tmp_path / "doc.txt", b"Some text.\n")
+    bogus = _write(tmp_path / "model.gguf", b"not a gguf at all" * 100)
+    code = main(["ask", "--prompt-file", str(doc), "--model", str(bogus), "q?"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USAGE
+    assert str(bogus) in err and "Traceback" not in err
+
+
+def test_config_subcommands(tmp_path, capsys):
+    cfg = tmp_path / "config.yaml"
+    assert main(["config", "path", "--config", str(cfg)]) == 0
+    assert capsys.readouterr().out.strip() == str(cfg)
+    assert cfg.exists()
+    assert main(["config", "show", "--config", str(cfg), "--set", "generation.seed=5"]) == 0
+    assert "seed: 5" in capsys.readouterr().out
+    cfg.write_text(cfg.read_text().replace("chunk_size: 4096", "chunk_size: -3"))
+    assert main(["config", "validate", "--config", str(cfg)]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "long_context.chunk_size" in err and "-3" in err and str(cfg) in err
+
+
+def test_core_and_kv_do_not_import_textual():
+    code = (
+        "import sys, kvchat.core.engine, kvchat.core.bench_speed, kvchat.kv.dense;"
+        "bad = [m for m in sys.modules if m == 'textual' or m.startswith('textual.')];"
+        "print(bad); sys.exit(1 if bad else 0)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _write(path: Path, data: bytes) -> Path:
+    path.write_bytes(data)
+    return path

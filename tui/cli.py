@@ -1,0 +1,230 @@
+"""The `kvchat` command: headless subcommands (ask, config, bench) and, later, the app."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TextIO
+
+from kvchat.config import ConfigError, load_settings, settings_to_yaml
+from kvchat.core.cancel import Cancelled
+from kvchat.core.documents import DocumentError, read_document
+from kvchat.core.model_config import UnsupportedModelError
+from kvchat.core.plan import PlanRefusedError
+from kvchat.core.tokenizer import TokenizerError
+from kvchat.core.weights import WeightsError
+
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+
+# Errors that are the user's input or environment, reported as one line, never a traceback.
+USER_ERRORS = (
+    ConfigError,
+    DocumentError,
+    PlanRefusedError,
+    WeightsError,
+    UnsupportedModelError,
+    TokenizerError,
+)
+
+
+class ProgressLine:
+    """A one-line progress report on stderr: rewritten in place on a terminal, sparse otherwise."""
+
+    def __init__(self, label: str, stream: TextIO = sys.stderr, min_interval: float = 0.1) -> None:
+        self.label, self.stream = label, stream
+        self.tty = stream.isatty()
+        self.started = time.perf_counter()
+        self.last = 0.0
+        self.min_interval = min_interval if self.tty else 5.0
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if done < total and now - self.last < self.min_interval:
+            return
+        self.last = now
+        elapsed = now - self.started
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = (total - done) / rate if rate > 0 else 0.0
+        line = f"{self.label}: {done}/{total} ({100 * done / max(total, 1):.0f}%)"
+        if self.label == "prefill":
+            line += f", {rate:.0f} tok/s, ETA {eta:.0f}s"
+        end = "\n" if done >= total or not self.tty else ""
+        self.stream.write(("\r" if self.tty else "") + line + end)
+        self.stream.flush()
+
+
+def _load(args: argparse.Namespace):
+    return load_settings(Path(args.config) if args.config else None, args.set or ())
+
+
+def cmd_ask(args: argparse.Namespace) -> int:
+    from kvchat.core.engine import Engine
+
+    loaded = _load(args)
+    for warning in loaded.warnings:
+        print(f"kvchat: warning: {warning}", file=sys.stderr)
+    settings = loaded.settings
+    doc = read_document(args.prompt_file)
+    question = args.question if args.question is not None else sys.stdin.read()
+    if not question.strip():
+        raise DocumentError("no question given: pass it as an argument or on standard input")
+    engine = Engine.load(settings, args.model)
+    tokenizer = engine.tokenizer
+    ids = tokenizer.encode_long(doc.text, ProgressLine("tokenize") if args.verbose else None)
+    conversation = engine.session.conversation
+    conversation.document_ids, conversation.document_name = ids, doc.name
+    prompt = conversation.prompt_ids(tokenizer, question)
+    engine.check_fits(len(prompt), settings.generation.max_new_tokens)
+    if args.verbose:
+        print(f"{doc.name}: {doc.size_bytes} bytes, {len(ids)} tokens", file=sys.stderr)
+    cancel = threading.Event()
+    try:
+        for piece in engine.session.ask(
+            question, on_progress=ProgressLine("prefill"), cancel=cancel
+        ):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    except KeyboardInterrupt:
+        cancel.set()
+        print("\nkvchat: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    sys.stdout.write("\n")
+    if args.verbose:
+        s = engine.stats()
+        print(
+            f"prefill {s.prefill_tokens} tok at {s.prefill_tok_s:.0f} tok/s; "
+            f"decode {s.decode_tokens} tok at {s.decode_tok_s:.1f} tok/s",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def cmd_config(args: argparse.Namespace) -> int:
+    loaded = _load(args)
+    if args.action == "path":
+        print(loaded.path)
+    elif args.action == "show":
+        sys.stdout.write(settings_to_yaml(loaded.settings))
+    else:
+        print(f"{loaded.path}: valid")
+    for warning in loaded.warnings:
+        print(f"kvchat: warning: {warning}", file=sys.stderr)
+    return 0
+
+
+def _parse_contexts(text: str) -> list[int]:
+    sizes = []
+    for part in text.split(","):
+        part = part.strip().lower()
+        scale = 1024 if part.endswith("k") else 1
+        try:
+            sizes.append(int(part.removesuffix("k")) * scale)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"bad context size {part!r}; use e.g. 1k,4k,8k"
+            ) from None
+    return sizes
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    settings = _load(args).settings
+    if args.what == "speed":
+        from kvchat.core.bench_speed import run_speed_bench
+
+        result = run_speed_bench(
+            settings,
+            args.contexts,
+            model_spec=args.model,
+            decode_tokens=args.decode_tokens,
+            with_transformers=not args.no_transformers,
+            log=lambda msg: print(msg, file=sys.stderr),
+        )
+    else:
+        from kvchat.core.bench_tokenize import tokenize_benchmark
+        from kvchat.core.tokenizer import load_tokenizer
+        from kvchat.core.weights import resolve_model_path
+
+        tokenizer = load_tokenizer(resolve_model_path(args.model or settings.model.path))
+        result = tokenize_benchmark(tokenizer, args.tokens)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        Path(args.json).write_text(text + "\n")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvchat",
+        description="Question very long texts with a local LLM (block-sparse KV cache in DRAM).",
+    )
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "--config", metavar="PATH", help="settings file (default: $KVCHAT_HOME/config.yaml)"
+    )
+    common.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        help="override a setting for this run, e.g. --set long_context.kv_type=INT8 (repeatable)",
+    )
+    common.add_argument("--model", metavar="M", help="bundled model name, GGUF file or HF folder")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    ask = sub.add_parser("ask", parents=[common], help="answer one question about a file, headless")
+    ask.add_argument(
+        "--prompt-file", required=True, metavar="FILE", help="the document to question"
+    )
+    ask.add_argument(
+        "--verbose", "-v", action="store_true", help="report sizes and speed on stderr"
+    )
+    ask.add_argument("question", nargs="?", help="the question (default: read from stdin)")
+    ask.set_defaults(func=cmd_ask)
+
+    config = sub.add_parser("config", parents=[common], help="the settings file")
+    config.add_argument("action", choices=["path", "show", "validate"])
+    config.set_defaults(func=cmd_config)
+
+    bench = sub.add_parser("bench", parents=[common], help="benchmarks that print numbers and JSON")
+    bench.add_argument("what", choices=["speed", "tokenize"])
+    bench.add_argument(
+        "--contexts",
+        type=_parse_contexts,
+        default=_parse_contexts("1k,4k,8k"),
+        help="context sizes for `speed`, e.g. 1k,4k,8k",
+    )
+    bench.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per context")
+    bench.add_argument(
+        "--no-transformers", action="store_true", help="skip the transformers baseline in `speed`"
+    )
+    bench.add_argument("--tokens", type=int, default=1_000_000, help="text size for `tokenize`")
+    bench.add_argument("--json", metavar="PATH", help="also write the result here")
+    bench.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    run: Callable[[argparse.Namespace], int] = args.func
+    try:
+        return run(args)
+    except USER_ERRORS as e:
+        print(f"kvchat: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except (Cancelled, KeyboardInterrupt):
+        print("kvchat: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
