@@ -18,13 +18,14 @@ import torch
 from kvchat.config import GenerationSettings, Settings
 from kvchat.kv.backend import AttentionBackend, CacheStats
 from kvchat.kv.dense import DenseBackend
+from kvchat.kv.sparse import SparseBackend
 
 from .cancel import Cancelled
 from .conversation import Conversation
 from .device import configure_threads, resolve_device, resolve_dtype
 from .model import Transformer
 from .model_config import ModelConfig
-from .plan import MemoryPlan, PlanRefusedError, kv_bytes_per_token, make_plan
+from .plan import MemoryPlan, PlanRefusedError, plan_memory
 from .sampling import sample_next
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import load_weights, resolve_model_path
@@ -66,10 +67,35 @@ class Session:
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.cache: AttentionBackend = engine.new_cache()
+        self._cache: AttentionBackend | None = None
         self.tokens: list[int] = []
         self.conversation = Conversation()
         self._logits: torch.Tensor | None = None  # logits after the last cached token
+
+    @property
+    def logits(self) -> torch.Tensor | None:
+        """Next-token logits after the last cached token (None before any prefill)."""
+        return self._logits
+
+    @property
+    def cache(self) -> AttentionBackend:
+        if self._cache is None:
+            self._cache = self.engine.new_cache(0)
+        return self._cache
+
+    def prepare(self, planned_tokens: int) -> None:
+        """Make sure the cache suits a context of `planned_tokens` (prompt + reply).
+
+        With position_mode auto, a cache that chose native positions for a short context is
+        rebuilt in extrapolate mode once the conversation outgrows the trained context; the
+        next sync then prefills everything again.
+        """
+        wanted = self.engine.position_mode_for(planned_tokens)
+        if self._cache is not None and self._cache.position_mode == wanted:
+            return
+        self._cache = self.engine.new_cache(planned_tokens)
+        self.tokens = []
+        self._logits = None
 
     def extend(
         self,
@@ -83,8 +109,10 @@ class Session:
         so a later call resumes where this one stopped.
         """
         engine = self.engine
-        chunk = engine.settings.long_context.chunk_size
         engine.check_fits(len(self.tokens) + len(ids), 0)
+        if self._cache is None:
+            self.prepare(len(self.tokens) + len(ids) + engine.settings.generation.max_new_tokens)
+        chunk = min(engine.settings.long_context.chunk_size, self.cache.max_chunk or len(ids) or 1)
         self.cache.reserve(len(self.tokens) + len(ids))
         done = 0
         started = time.perf_counter()
@@ -183,6 +211,7 @@ class Session:
         params = params or engine.settings.generation
         ids = self.conversation.prompt_ids(engine.tokenizer, question)
         engine.check_fits(len(ids), params.max_new_tokens)
+        self.prepare(len(ids) + params.max_new_tokens)
         self.sync(ids, on_progress, cancel)
         decoder = engine.tokenizer.stream_decoder()
         eos = set(engine.tokenizer.eos_ids)
@@ -244,22 +273,41 @@ class Engine:
     def config(self) -> ModelConfig:
         return self.model.cfg
 
-    def new_cache(self) -> AttentionBackend:
+    def position_mode_for(self, planned_tokens: int) -> str:
+        """`native` while the context fits what the model was trained on, else `extrapolate`."""
         lc = self.settings.long_context
-        if lc.attention != "dense":
-            raise NotImplementedError(
-                "long_context.attention: sparse is not available yet in this version; "
-                "use --set long_context.attention=dense"
+        if lc.attention == "dense":
+            return "native"  # dense attention has no way to extrapolate
+        if lc.position_mode != "auto":
+            return lc.position_mode
+        return "native" if planned_tokens <= self.config.trained_context else "extrapolate"
+
+    def new_cache(self, planned_tokens: int) -> AttentionBackend:
+        """An empty cache for a conversation expected to reach `planned_tokens`."""
+        lc = self.settings.long_context
+        cfg, model = self.config, self.model
+        if lc.attention == "dense":
+            return DenseBackend(
+                cfg.num_layers,
+                cfg.num_kv_heads,
+                cfg.head_dim,
+                model.rope,
+                model.dtype,
+                model.device,
+                lc.max_seq_len,
             )
-        cfg = self.config
-        return DenseBackend(
+        return SparseBackend(
             cfg.num_layers,
+            cfg.num_heads,
             cfg.num_kv_heads,
             cfg.head_dim,
-            self.model.rope,
-            self.model.dtype,
-            self.model.device,
+            model.rope,
+            model.dtype,
+            model.device,
+            lc,
+            self.position_mode_for(planned_tokens),
             lc.max_seq_len,
+            cfg.trained_context,
         )
 
     def new_session(self) -> Session:
@@ -272,7 +320,17 @@ class Engine:
         self.settings = replace(self.settings, generation=settings.generation)
 
     def plan(self, n_tokens: int) -> MemoryPlan:
-        return make_plan(self, n_tokens)
+        """Memory a context of n_tokens needs with the current settings, against what is free."""
+        held = self.session.cache.stats() if self.session._cache is not None else None
+        return plan_memory(
+            self.config,
+            self.settings.long_context,
+            n_tokens,
+            self.model.dtype.itemsize,
+            self.model.nbytes,
+            psutil.virtual_memory().available,
+            0 if held is None else held.kv_bytes + held.anchor_bytes + held.resident_bytes,
+        )
 
     def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
         """Refuse, before any computation, a prompt the settings or the memory cannot hold."""
@@ -296,7 +354,11 @@ class Engine:
         cancel: threading.Event | None = None,
     ) -> torch.Tensor:
         """Prefill `ids` after what the current session holds; returns the last logits."""
-        return self.session.extend(ids, on_progress, cancel)
+        session = self.session
+        history = [*session.tokens, *ids]
+        session.prepare(len(history) + self.settings.generation.max_new_tokens)
+        session.sync(history, on_progress, cancel)
+        return session.logits
 
     def generate(
         self, params: GenerationSettings | None = None, cancel: threading.Event | None = None
@@ -344,9 +406,6 @@ class Engine:
             time_to_first_token=self._ttft,
             rss_bytes=psutil.Process().memory_info().rss,
         )
-
-    def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.config, self.model.dtype.itemsize)
 
 
 def _round_up(n: int, step: int = 4096) -> int:

@@ -124,6 +124,7 @@ class Transformer:
             + (0 if self._head_is_embed else self.lm_head.nbytes)
         )
 
+    @torch.inference_mode()
     def forward(
         self, ids: torch.Tensor, backend: AttentionBackend, all_logits: bool = False
     ) -> torch.Tensor:

@@ -1,76 +1,161 @@
 """Memory planning: what a context of n tokens needs, and whether this machine has it.
 
-The Engine checks the plan before any prefill, so an accepted prompt never ends in an
+The numbers follow the caches' own allocations (kv/dense.py, kv/sparse.py, kv/quant.py), so
+the Engine can check a plan before any prefill and an accepted prompt never ends in an
 out-of-memory kill halfway through.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, replace
 
 import psutil
 
+from kvchat.config import LongContextSettings
+from kvchat.kv.anchors import anchor_rows
+from kvchat.kv.quant import bytes_per_token
+
 from .model_config import ModelConfig
 
-if TYPE_CHECKING:
-    from .engine import Engine
-
 # Leave room for the OS, the UI and allocator slack.
-_USABLE_FRACTION = 0.85
+USABLE_FRACTION = 0.85
+PLAN_SIZES = (4096, 32768, 65536, 131072, 524288, 1048576)
 
 
 class PlanRefusedError(ValueError):
     """A prompt exceeds the configured context or this machine's memory; says what to change."""
 
 
-def kv_bytes_per_token(cfg: ModelConfig, itemsize: int) -> int:
-    return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * itemsize
-
-
-def activation_bytes(cfg: ModelConfig, chunk_size: int) -> int:
-    """Transient fp32 tensors of one prefill chunk (residual, projections, MLP), rounded up."""
-    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    per_token = 4 * cfg.hidden_size + 3 * cfg.intermediate_size + 3 * qkv
-    return 4 * chunk_size * per_token
-
-
 @dataclass(frozen=True)
 class MemoryPlan:
     n_tokens: int
+    attention: str
+    kv_type: str
     weights_bytes: int
-    kv_bytes: int
-    activation_bytes: int
-    allocated_kv_bytes: int  # already held by the current cache
-    available_bytes: int
+    kv_bytes: int  # keys and values: the DRAM block store (sparse) or the whole cache (dense)
+    anchor_bytes: int
+    resident_bytes: int  # kept on the compute device: sinks, local window, gather buffers
+    activation_bytes: int  # transient tensors of one prefill chunk
+    available_bytes: int  # host memory available now
+    allocated_bytes: int = 0  # already held by the current cache
+
+    @property
+    def cache_bytes(self) -> int:
+        return self.kv_bytes + self.anchor_bytes + self.resident_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.weights_bytes + self.cache_bytes + self.activation_bytes
 
     @property
     def needed_bytes(self) -> int:
-        """Memory still to be allocated to run n_tokens."""
-        return max(self.kv_bytes - self.allocated_kv_bytes, 0) + self.activation_bytes
+        """Memory still to be allocated (the weights are loaded already)."""
+        return max(self.cache_bytes - self.allocated_bytes, 0) + self.activation_bytes
 
     @property
     def fits(self) -> bool:
-        return self.needed_bytes <= self.available_bytes * _USABLE_FRACTION
+        return self.needed_bytes <= self.available_bytes * USABLE_FRACTION
 
     def refusal(self) -> str:
-        gib = 1024**3
         return (
-            f"{self.n_tokens} tokens need {self.needed_bytes / gib:.2f} GiB more memory "
-            f"(KV cache {self.kv_bytes / gib:.2f} GiB) but only "
-            f"{self.available_bytes * _USABLE_FRACTION / gib:.2f} GiB is usable. Shorten the "
-            f"document or lower long_context.max_seq_len."
+            f"{self.n_tokens} tokens need {_gib(self.needed_bytes)} more memory (KV cache "
+            f"{_gib(self.kv_bytes)} as {self.kv_type}) but only "
+            f"{_gib(self.available_bytes * USABLE_FRACTION)} is usable. Shorten the document, "
+            f"use a smaller long_context.kv_type (INT8, INT4), or lower long_context.max_seq_len."
         )
 
 
-def make_plan(engine: Engine, n_tokens: int) -> MemoryPlan:
-    cfg = engine.config
-    cache = engine.session.cache.stats()
-    return MemoryPlan(
-        n_tokens=n_tokens,
-        weights_bytes=engine.model.nbytes,
-        kv_bytes=n_tokens * kv_bytes_per_token(cfg, engine.model.dtype.itemsize),
-        activation_bytes=activation_bytes(cfg, engine.settings.long_context.chunk_size),
-        allocated_kv_bytes=cache.kv_bytes,
-        available_bytes=psutil.virtual_memory().available,
+def _gib(n: float) -> str:
+    return f"{n / 1024**3:.2f} GiB"
+
+
+def window_capacity(lc: LongContextSettings) -> int:
+    """Tokens the sparse cache keeps in full precision per layer (see SparseBackend)."""
+    return lc.local_windows_len + 2 * lc.block_size + lc.chunk_size
+
+
+def plan_memory(
+    cfg: ModelConfig,
+    lc: LongContextSettings,
+    n_tokens: int,
+    itemsize: int,
+    weights_bytes: int,
+    available_bytes: int,
+    allocated_bytes: int = 0,
+) -> MemoryPlan:
+    layers, kv_heads, dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+    qkv = (cfg.num_heads + 2 * kv_heads) * dim
+    activation = 4 * lc.chunk_size * (4 * cfg.hidden_size + 3 * cfg.intermediate_size + 3 * qkv)
+    if lc.attention == "dense":
+        kv = n_tokens * 2 * layers * kv_heads * dim * itemsize
+        return MemoryPlan(
+            n_tokens,
+            "dense",
+            {2: "BF16", 4: "FP32"}[itemsize],
+            weights_bytes,
+            kv,
+            0,
+            0,
+            activation,
+            available_bytes,
+            allocated_bytes,
+        )
+    blocks = -(-n_tokens // lc.block_size)
+    per_block = lc.block_size * bytes_per_token(dim, lc.kv_type, itemsize)
+    kv = blocks * layers * 2 * kv_heads * per_block
+    anchors = blocks * layers * kv_heads * anchor_rows(lc.anchor_type) * dim * 4
+    # Window keys (twice in extrapolate mode), values, attention received, sinks.
+    window = layers * kv_heads * window_capacity(lc) * (3 * dim * itemsize + 4)
+    sinks = layers * 2 * kv_heads * lc.block_size * dim * itemsize
+    gathered = (
+        lc.second_select_num if lc.dense_layer_num == 0 else max(lc.second_select_num, blocks)
     )
+    gather = 2 * kv_heads * gathered * lc.block_size * dim * itemsize
+    return MemoryPlan(
+        n_tokens,
+        "sparse",
+        lc.kv_type,
+        weights_bytes,
+        kv,
+        anchors,
+        window + sinks + gather,
+        activation,
+        available_bytes,
+        allocated_bytes,
+    )
+
+
+def plan_table(cfg: ModelConfig, lc: LongContextSettings, itemsize: int, weights_bytes: int) -> str:
+    """The `kvchat plan` report: memory by context size, then which kv_type fits 1M tokens."""
+    available = psutil.virtual_memory().available
+    lines = [
+        f"{cfg.name or cfg.architecture}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x "
+        f"{cfg.head_dim}, weights {_gib(weights_bytes)}; attention {lc.attention}, "
+        f"kv_type {lc.kv_type}, block {lc.block_size}, window {lc.local_windows_len}, "
+        f"select {lc.second_select_num}",
+        f"host memory available now: {_gib(available)} (plans may use {USABLE_FRACTION:.0%} of it)",
+        "",
+        f"{'tokens':>9} {'KV (DRAM)':>11} {'anchors':>10} {'resident':>10} {'weights':>10} "
+        f"{'total':>10}  fits",
+    ]
+    for n in PLAN_SIZES:
+        p = plan_memory(cfg, lc, n, itemsize, weights_bytes, available)
+        lines.append(
+            f"{n:>9} {_gib(p.kv_bytes):>11} {_gib(p.anchor_bytes):>10} "
+            f"{_gib(p.resident_bytes):>10} {_gib(p.weights_bytes):>10} {_gib(p.total_bytes):>10}  "
+            f"{'yes' if p.total_bytes <= available * USABLE_FRACTION else 'NO'}"
+        )
+    if lc.attention == "sparse":
+        lines += ["", f"at {PLAN_SIZES[-1]} tokens, by long_context.kv_type:"]
+        for kv_type in ("FP16", "INT8", "INT4"):
+            p = plan_memory(
+                cfg,
+                replace(lc, kv_type=kv_type),
+                PLAN_SIZES[-1],
+                itemsize,
+                weights_bytes,
+                available,
+            )
+            verdict = "fits" if p.total_bytes <= available * USABLE_FRACTION else "does not fit"
+            lines.append(f"  {kv_type:<5} total {_gib(p.total_bytes):>10}  {verdict}")
+    return "\n".join(lines) + "\n"

@@ -60,8 +60,11 @@ def _llama3(theta: float, dim: int, rs: RopeScaling, max_pos: int) -> torch.Tens
 
 
 class Rope:
-    """cos/sin tables for absolute positions, extended on demand.
+    """cos/sin for any range of absolute positions, computed on demand.
 
+    Angles are computed in float64: at a position of 1M, a float32 product of position and
+    frequency is off by ~0.06 rad, which would blur positions at the lengths kvchat is for.
+    Nothing is tabulated, so a 1M-token context costs no table memory.
     Dynamic NTK scaling changes the frequencies with the sequence length; like transformers it
     uses the length reached by the current forward call, so a growing session matches a model
     that is called once per chunk.
@@ -83,8 +86,6 @@ class Rope:
             self.inv_freq = _llama3(cfg.rope_theta, self.dim, rs, cfg.max_position_embeddings)
         else:
             self.inv_freq = _base_inv_freq(cfg.rope_theta, self.dim)
-        self._dynamic_len = cfg.max_position_embeddings
-        self._cos = self._sin = torch.empty(0, self.dim)
 
     def _dynamic_inv_freq(self, seq_len: int) -> torch.Tensor:
         cfg, rs = self.cfg, self.cfg.rope_scaling
@@ -94,23 +95,16 @@ class Rope:
         ) ** (self.dim / (self.dim - 2))
         return _base_inv_freq(base, self.dim)
 
-    def _table(self, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.cfg.rope_scaling.rope_type == "dynamic" and end > self._dynamic_len:
-            self.inv_freq = self._dynamic_inv_freq(end)
-            self._dynamic_len = end
-            self._cos = self._sin = torch.empty(0, self.dim)
-        if end > self._cos.shape[0]:
-            size = max(end, 2 * self._cos.shape[0], 1024)
-            t = torch.arange(size, dtype=torch.int64).float()
-            freqs = torch.outer(t, self.inv_freq)
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos = (emb.cos() * self.attention_factor).to(self.device)
-            self._sin = (emb.sin() * self.attention_factor).to(self.device)
-        return self._cos, self._sin
-
     def cos_sin(
         self, start: int, length: int, dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Tables for positions start..start+length, shaped [length, head_dim]."""
-        cos, sin = self._table(start + length)
-        return cos[start : start + length].to(dtype), sin[start : start + length].to(dtype)
+        inv_freq = self.inv_freq
+        if self.cfg.rope_scaling.rope_type == "dynamic":
+            inv_freq = self._dynamic_inv_freq(start + length)
+        t = torch.arange(start, start + length, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq.double())
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.attention_factor).to(device=self.device, dtype=dtype)
+        sin = (emb.sin() * self.attention_factor).to(device=self.device, dtype=dtype)
+        return cos, sin

@@ -15,15 +15,44 @@ import torch
 
 
 @dataclass(frozen=True)
+class LayerStats:
+    """What one layer of the block-sparse cache read at the last step."""
+
+    layer: int
+    dense: bool  # attends to every block (one of the first dense_layer_num layers)
+    candidates: int  # blocks it could select from
+    selected: tuple[int, ...]  # block ids it read (union over KV heads in SEPARATE mode)
+
+
+@dataclass(frozen=True)
 class CacheStats:
-    """An immutable snapshot of a cache, cheap enough to take a few times a second."""
+    """An immutable snapshot of a cache, cheap enough to take a few times a second.
+
+    The block fields stay zero for the dense backend, which has no blocks.
+    """
 
     backend: str
     tokens: int
     capacity_tokens: int
-    kv_bytes: int
+    kv_bytes: int  # bytes allocated for keys and values (DRAM for the block store)
     kv_dtype: str
     position_mode: str
+    block_size: int = 0
+    blocks_in_dram: int = 0
+    resident_tokens: int = 0  # sinks + local window, kept on the compute device
+    resident_bytes: int = 0
+    anchor_bytes: int = 0
+    device_slots_used: int = 0
+    device_slots_total: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_moved: int = 0
+    layers: tuple[LayerStats, ...] = ()
+
+    @property
+    def hit_rate(self) -> float:
+        lookups = self.hits + self.misses
+        return self.hits / lookups if lookups else 0.0
 
 
 class AttentionBackend(ABC):
@@ -35,6 +64,8 @@ class AttentionBackend(ABC):
     """
 
     name: str = "abstract"
+    max_chunk: int | None = None  # longest pass the backend accepts (None: any)
+    position_mode: str = "native"
 
     @property
     @abstractmethod

@@ -4,65 +4,13 @@ from __future__ import annotations
 
 import torch
 
+from .attention import chunk_attention, decode_attention
 from .backend import AttentionBackend, CacheStats
-from .merge import merge_partials
 from .positions import RopeTables, rotate
-
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
 class ContextFullError(RuntimeError):
     """A pass would grow the cache past the size it was planned for."""
-
-
-def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """One query token per head over k, v [n_kv, S, D]; q [n_heads, 1, D] -> [n_heads, 1, D].
-
-    Query heads of one GQA group are folded onto their KV head so each key is read once; a
-    plain matmul-softmax-matmul beats scaled_dot_product_attention for a single query here.
-    """
-    n_heads, _, dim = q.shape
-    n_kv = k.shape[0]
-    qg = q.reshape(n_kv, n_heads // n_kv, dim)
-    scores = torch.matmul(qg, k.transpose(1, 2)).mul_(dim**-0.5)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(v.dtype)
-    return torch.matmul(probs, v).reshape(n_heads, 1, dim)
-
-
-def chunk_attention(
-    q: torch.Tensor,
-    k_past: torch.Tensor,
-    v_past: torch.Tensor,
-    k_new: torch.Tensor,
-    v_new: torch.Tensor,
-) -> torch.Tensor:
-    """Causal attention of a chunk of queries over past keys plus the chunk's own keys.
-
-    q: [n_heads, T, D]; k_past, v_past: [n_kv, P, D]; k_new, v_new: [n_kv, T, D].
-    The past part needs no mask and the chunk part is plain causal, so both run on the
-    flash kernel without an explicit mask (a mask stops it skipping work) and are merged by
-    log-sum-exp.
-    """
-    n_heads, t, dim = q.shape
-    n_kv = k_new.shape[0]
-    group = n_heads // n_kv
-    o_new, lse_new = _flash(
-        q.unsqueeze(0),
-        k_new.repeat_interleave(group, dim=0).unsqueeze(0),
-        v_new.repeat_interleave(group, dim=0).unsqueeze(0),
-        0.0,
-        True,
-    )
-    if k_past.shape[1] == 0:
-        return o_new[0]
-    o_past, lse_past = _flash(
-        q.reshape(1, n_kv, group * t, dim), k_past.unsqueeze(0), v_past.unsqueeze(0), 0.0, False
-    )
-    out, _ = merge_partials(
-        [o_past.reshape(n_heads, t, dim), o_new[0]],
-        [lse_past.reshape(n_heads, t), lse_new[0]],
-    )
-    return out
 
 
 class DenseBackend(AttentionBackend):
@@ -133,8 +81,8 @@ class DenseBackend(AttentionBackend):
         keys[:, start:end] = k
         values[:, start:end] = v
         if self._n_new == 1:
-            return decode_attention(q, keys[:, :end], values[:, :end])
-        return chunk_attention(q, keys[:, :start], values[:, :start], k, v)
+            return decode_attention([(q, keys[:, :end], values[:, :end])])[0]
+        return chunk_attention(q, [(q, keys[:, :start], values[:, :start])], k, v)
 
     def commit(self) -> None:
         self._length += self._n_new

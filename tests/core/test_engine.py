@@ -102,7 +102,7 @@ def test_cancelled_prefill_leaves_session_usable(engine_fp32, settings_fp32):
     # Resuming prefills only the rest and gives the same logits as an uncancelled run.
     assert engine.session.sync(ids) == len(ids) - 32
     fresh = engine_fp32.new_session().extend(ids)
-    assert (engine.session._logits - fresh).abs().max().item() < 1e-4
+    assert (engine.session.logits - fresh).abs().max().item() < 1e-4
 
 
 def test_generation_cancel_and_limit(engine_fp32):

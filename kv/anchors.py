@@ -1,0 +1,111 @@
+"""Block anchors: the few vectors per KV block that stand in for its keys when scoring.
+
+A block of `block_size` keys gets anchors when it leaves the local window. Anchors are a
+uniform float32 tensor `[n_kv_heads, R, head_dim]` per block (R = 2 for QUEST's min/max
+bounds, else 1), so the selection code scores every block with one matmul.
+"""
+
+from __future__ import annotations
+
+import torch
+
+ANCHOR_TYPES = ("DYNAMIC", "FIXED", "BLOCK_MEAN", "BLOCK_MAX", "QUEST")
+
+# Types whose anchor is a statistic of the whole block, so anchor_num has no meaning.
+_WHOLE_BLOCK_TYPES = ("BLOCK_MEAN", "BLOCK_MAX", "QUEST")
+
+
+def anchor_rows(anchor_type: str) -> int:
+    """R, the number of anchor vectors stored per block and KV head."""
+    _check_type(anchor_type)
+    return 2 if anchor_type == "QUEST" else 1
+
+
+def validate_anchor_settings(anchor_type: str, anchor_num: int, block_size: int) -> None:
+    """Raise ValueError when the anchor settings cannot describe a block."""
+    _check_type(anchor_type)
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if anchor_num < 1:
+        raise ValueError(f"anchor_num must be >= 1, got {anchor_num}")
+    if anchor_type in _WHOLE_BLOCK_TYPES and anchor_num != 1:
+        raise ValueError(
+            f"anchor_type {anchor_type} summarises the whole block: anchor_num must be 1, "
+            f"got {anchor_num}"
+        )
+    if anchor_num > block_size:
+        raise ValueError(
+            f"anchor_num ({anchor_num}) cannot exceed block_size ({block_size}): "
+            "a block has only block_size tokens to pick from"
+        )
+
+
+def block_anchors(
+    keys: torch.Tensor,
+    anchor_type: str,
+    anchor_num: int,
+    received: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Anchors of one block or of a batch of blocks.
+
+    keys: [n_kv_heads, block_size, head_dim] or [n_blocks, n_kv_heads, block_size, head_dim],
+    any float dtype. received (DYNAMIC only, ignored otherwise): attention each token received
+    while in the local window, keys' shape without head_dim. Returns float32
+    [(n_blocks,) n_kv_heads, R, head_dim].
+    """
+    if keys.dim() not in (3, 4):
+        raise ValueError(f"keys must be 3-D or 4-D, got shape {tuple(keys.shape)}")
+    validate_anchor_settings(anchor_type, anchor_num, keys.shape[-2])
+    if anchor_type == "BLOCK_MEAN":
+        return keys.float().mean(dim=-2, keepdim=True)
+    if anchor_type == "BLOCK_MAX":
+        return keys.amax(dim=-2, keepdim=True).float()
+    if anchor_type == "QUEST":
+        return torch.stack((keys.amin(dim=-2), keys.amax(dim=-2)), dim=-2).float()
+    if anchor_type == "DYNAMIC":
+        token_idx = _dynamic_indices(keys, anchor_num, received)
+    else:
+        token_idx = fixed_indices(keys.shape[-2], anchor_num, keys.device)
+        token_idx = token_idx.expand(*keys.shape[:-2], anchor_num)
+    return _mean_of_tokens(keys, token_idx)
+
+
+def fixed_indices(block_size: int, anchor_num: int, device: torch.device) -> torch.Tensor:
+    """The middle token of each of anchor_num equal slices of the block.
+
+    Distinct whenever anchor_num <= block_size, and every token when they are equal.
+    """
+    slices = torch.arange(anchor_num, device=device)
+    return ((2 * slices + 1) * block_size) // (2 * anchor_num)
+
+
+def _dynamic_indices(
+    keys: torch.Tensor, anchor_num: int, received: torch.Tensor | None
+) -> torch.Tensor:
+    """The anchor_num most-attended tokens per (block, head); FIXED where nothing was received."""
+    fixed = fixed_indices(keys.shape[-2], anchor_num, keys.device).expand(
+        *keys.shape[:-2], anchor_num
+    )
+    if received is None:
+        return fixed
+    if received.shape != keys.shape[:-1]:
+        raise ValueError(
+            f"received must have shape {tuple(keys.shape[:-1])}, got {tuple(received.shape)}"
+        )
+    top = received.topk(anchor_num, dim=-1).indices
+    # A block can leave the window before any later query saw it (e.g. at the end of a
+    # prefill chunk): its received row is all zero and the ranking would be arbitrary.
+    saw_attention = (received != 0).any(dim=-1, keepdim=True)
+    return torch.where(saw_attention, top, fixed)
+
+
+def _mean_of_tokens(keys: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor:
+    """Mean of the chosen keys: scoring it equals averaging their scores, by linearity."""
+    gather_idx = token_idx.unsqueeze(-1).expand(*token_idx.shape, keys.shape[-1])
+    chosen = keys.gather(dim=-2, index=gather_idx)
+    return chosen.float().mean(dim=-2, keepdim=True)
+
+
+def _check_type(anchor_type: str) -> None:
+    if anchor_type not in ANCHOR_TYPES:
+        raise ValueError(f"unknown anchor_type {anchor_type!r}; expected one of {ANCHOR_TYPES}")

@@ -1,0 +1,467 @@
+"""The block-sparse KV cache (InfLLM / KTransformers long_context) behind the backend interface.
+
+Per layer, each query reads three key sets:
+- sinks: the first block, in full precision (attention sinks; always read);
+- the local window: every token from `window_start` on, in full precision, causal;
+- retrieved blocks: the `second_select_num` stored blocks whose anchors score highest for
+  the query (every stored block in the first `dense_layer_num` layers).
+`window_start` is the block boundary at or before `length - local_windows_len`, so the
+three sets never overlap and, with a budget that covers every block, their union is the
+whole context: the output then equals dense attention.
+
+Blocks are written to the block store (DRAM, in kv_type) as soon as they complete, and get
+anchors when they leave the local window, which is also when they become candidates (the
+DYNAMIC anchors need the attention a block received while it was local).
+
+Positions: `native` stores keys rotated at their absolute positions. `extrapolate` (InfLLM)
+stores keys unrotated and reads sinks and retrieved blocks with the query rotated to the
+distance `local_windows_len`, so no position ever exceeds the trained range; the local
+window keeps exact relative positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvchat.config import LongContextSettings
+
+from .anchors import anchor_rows, block_anchors
+from .attention import chunk_attention, decode_attention
+from .backend import AttentionBackend, CacheStats, LayerStats
+from .dense import ContextFullError
+from .device_cache import DeviceBlockCache
+from .positions import RopeTables, rotate
+from .quant import BlockPool
+from .selection import preselect_vote, score_blocks, select_top
+
+POSITION_MODES = ("native", "extrapolate")
+_SINK_BLOCKS = 1
+_RECEIVED_QUERIES = 64  # prefill queries whose attention feeds DYNAMIC anchors
+_PRESELECT_QUERIES = 32  # last prompt queries that vote in preselection
+
+
+@dataclass
+class _LayerState:
+    k_pool: BlockPool
+    v_pool: BlockPool
+    anchors: torch.Tensor  # [max_blocks, n_kv, R, D] fp32
+    win_k: torch.Tensor  # [n_kv, win_cap, D], rotated at absolute positions
+    win_v: torch.Tensor
+    win_store_k: torch.Tensor  # keys as the store keeps them (win_k itself in native mode)
+    received: torch.Tensor | None  # [n_kv, win_cap] attention received (DYNAMIC only)
+    sink_k: torch.Tensor  # [n_kv, block, D] store-space keys of the sink block
+    sink_v: torch.Tensor
+    selection: torch.Tensor | None = None  # [k] (SHARED) or [n_kv, k] (SEPARATE) block ids
+    selection_age: int = 0
+    selection_upto: int = 0  # candidate blocks that existed when `selection` was made
+    preselected: torch.Tensor | None = None
+    q_last: torch.Tensor | None = None  # last prompt queries, for preselection
+
+
+class SparseBackend(AttentionBackend):
+    name = "sparse"
+
+    def __init__(
+        self,
+        n_layers: int,
+        n_heads: int,
+        n_kv_heads: int,
+        head_dim: int,
+        rope: RopeTables,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        settings: LongContextSettings,
+        position_mode: str,
+        max_tokens: int,
+        trained_context: int,
+    ) -> None:
+        if position_mode not in POSITION_MODES:
+            raise ValueError(f"position mode {position_mode!r}; choose one of {POSITION_MODES}")
+        lc = settings
+        self.lc, self.position_mode = lc, position_mode
+        self.n_layers, self.n_heads, self.n_kv, self.head_dim = (
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+        )
+        self.rope, self.dtype, self.device = rope, dtype, torch.device(device)
+        self.block = lc.block_size
+        self.window = lc.local_windows_len
+        self.max_tokens = max_tokens
+        self.max_blocks = -(-max_tokens // self.block)
+        # The window buffer holds the local window, the partial block and one pass of tokens.
+        self.win_cap = self.window + 2 * self.block + lc.chunk_size
+        rows = anchor_rows(lc.anchor_type)
+        pin = torch.cuda.is_available()
+        shape = (n_kv_heads, self.win_cap, head_dim)
+        self._layers: list[_LayerState] = []
+        for _ in range(n_layers):
+            win_k = torch.zeros(shape, dtype=dtype, device=self.device)
+            self._layers.append(
+                _LayerState(
+                    k_pool=BlockPool(
+                        n_kv_heads * self.max_blocks,
+                        self.block,
+                        head_dim,
+                        lc.kv_type,
+                        dtype,
+                        "cpu",
+                        pin,
+                    ),
+                    v_pool=BlockPool(
+                        n_kv_heads * self.max_blocks,
+                        self.block,
+                        head_dim,
+                        lc.kv_type,
+                        dtype,
+                        "cpu",
+                        pin,
+                    ),
+                    # Untouched pages cost no memory: only anchored blocks are ever written.
+                    anchors=torch.empty(self.max_blocks, n_kv_heads, rows, head_dim),
+                    win_k=win_k,
+                    win_v=torch.zeros(shape, dtype=dtype, device=self.device),
+                    win_store_k=win_k
+                    if position_mode == "native"
+                    else torch.zeros(shape, dtype=dtype, device=self.device),
+                    received=torch.zeros(n_kv_heads, self.win_cap)
+                    if lc.anchor_type == "DYNAMIC"
+                    else None,
+                    sink_k=torch.zeros(
+                        n_kv_heads, self.block, head_dim, dtype=dtype, device=self.device
+                    ),
+                    sink_v=torch.zeros(
+                        n_kv_heads, self.block, head_dim, dtype=dtype, device=self.device
+                    ),
+                )
+            )
+        first = self._layers[0].k_pool
+        self.device_cache = DeviceBlockCache(
+            n_layers, 2 * max(lc.second_select_num, 1) * n_kv_heads, 2 * first.bytes_per_slot
+        )
+        self._gather_k = torch.empty(0, self.block, head_dim, dtype=dtype, device=self.device)
+        self._gather_v = torch.empty_like(self._gather_k)
+        self._head_base = (torch.arange(n_kv_heads) * self.max_blocks).unsqueeze(1)
+        self._length = 0
+        self._n_new = 0
+        self._n_stored = 0  # blocks written to the pools
+        self._n_anchored = 0  # blocks below this have left the window (candidates, with anchors)
+        self._first_generated = 0  # first candidate block that postdates the last preselection
+        self._win_base = 0  # absolute position of window buffer column 0
+        self._window_start = 0
+        self._needs_preselect = False
+        self._cos = self._sin = self._far_cos = self._far_sin = torch.empty(0)
+        self._last_selection: list[torch.Tensor | None] = [None] * n_layers
+        # Extrapolation keeps local distances (window + partial block + pass) in the trained
+        # range only if passes stay short enough.
+        self.max_chunk = lc.chunk_size
+        if position_mode == "extrapolate":
+            self.max_chunk = max(1, min(lc.chunk_size, trained_context - self.window - self.block))
+
+    @property
+    def length(self) -> int:
+        return self._length
+
+    # -- a pass --------------------------------------------------------------------------
+    def begin(self, n_new: int) -> None:
+        end = self._length + n_new
+        if end > self.max_tokens:
+            raise ContextFullError(
+                f"the cache holds at most {self.max_tokens} tokens "
+                f"(long_context.max_seq_len); this pass would reach {end}"
+            )
+        if n_new > self.win_cap - self.window - 2 * self.block:
+            raise ValueError(
+                f"a pass of {n_new} tokens exceeds the chunk size {self.lc.chunk_size}"
+            )
+        start = max(0, (self._length - self.window) // self.block * self.block)
+        self._anchor_blocks(start // self.block)
+        self._window_start = start
+        if end - self._win_base > self.win_cap:
+            self._shift_window(start)
+        if n_new == 1 and self._needs_preselect:
+            self._preselect()
+        self._n_new = n_new
+        self._cos, self._sin = self.rope.cos_sin(self._length, n_new, self.dtype)
+        if self.position_mode == "extrapolate":
+            cos, sin = self.rope.cos_sin(self.window, 1, self.dtype)
+            self._far_cos, self._far_sin = cos.expand(n_new, -1), sin.expand(n_new, -1)
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        st = self._layers[layer]
+        n = self._n_new
+        start, end = self._length, self._length + n
+        qa = rotate(q, self._cos, self._sin)
+        ka = rotate(k, self._cos, self._sin)
+        o = start - self._win_base
+        st.win_k[:, o : o + n] = ka
+        st.win_v[:, o : o + n] = v
+        if st.win_store_k is not st.win_k:
+            st.win_store_k[:, o : o + n] = k
+        if st.received is not None:
+            st.received[:, o : o + n] = 0
+        self._store_blocks(st, end // self.block)
+
+        q_far = qa if self.position_mode == "native" else rotate(q, self._far_cos, self._far_sin)
+        ws = self._window_start - self._win_base
+        far_k, far_v = self._retrieve(layer, st, q_far)
+        sinks = self._window_start >= _SINK_BLOCKS * self.block
+        sink_k = st.sink_k if sinks else st.sink_k[:, :0]
+        sink_v = st.sink_v if sinks else st.sink_v[:, :0]
+        if n == 1:
+            out, received = decode_attention(
+                [
+                    (qa, st.win_k[:, ws : o + 1], st.win_v[:, ws : o + 1]),
+                    (q_far, sink_k, sink_v),
+                    (q_far, far_k, far_v),
+                ]
+            )
+            if st.received is not None:
+                st.received[:, ws : o + 1] += received
+            return out
+        out = chunk_attention(
+            qa,
+            [
+                (qa, st.win_k[:, ws:o], st.win_v[:, ws:o]),
+                (q_far, sink_k, sink_v),
+                (q_far, far_k, far_v),
+            ],
+            ka,
+            v,
+        )
+        if st.received is not None:
+            self._record_received(st, qa, ws, o + n)
+        if self.lc.preselect_block:
+            st.q_last = q_far[:, -_PRESELECT_QUERIES:].float().clone()
+        return out
+
+    def commit(self) -> None:
+        self._length += self._n_new
+        self._n_stored = self._length // self.block
+        if self._n_new > 1 and self.lc.preselect_block:
+            self._needs_preselect = True
+        self._n_new = 0
+
+    # -- blocks ----------------------------------------------------------------------------
+    def _store_blocks(self, st: _LayerState, complete: int) -> None:
+        """Write blocks that this pass completed to the store (and the sink copy)."""
+        first = self._n_stored
+        if complete <= first:
+            return
+        b = self.block
+        lo, hi = first * b - self._win_base, complete * b - self._win_base
+        n_blocks = complete - first
+        slots = (self._head_base + torch.arange(first, complete)).reshape(-1)
+        keys = st.win_store_k[:, lo:hi].reshape(self.n_kv * n_blocks, b, self.head_dim)
+        values = st.win_v[:, lo:hi].reshape(self.n_kv * n_blocks, b, self.head_dim)
+        st.k_pool.write(slots, keys)
+        st.v_pool.write(slots, values)
+        if first < _SINK_BLOCKS:
+            st.sink_k.copy_(st.win_store_k[:, lo : lo + b])
+            st.sink_v.copy_(st.win_v[:, lo : lo + b])
+
+    def _anchor_blocks(self, upto: int) -> None:
+        """Give anchors to the blocks that leave the local window before block `upto`."""
+        first = max(self._n_anchored, _SINK_BLOCKS)
+        if upto <= first:
+            self._n_anchored = max(self._n_anchored, upto)
+            return
+        b, n_blocks = self.block, upto - first
+        slots = (self._head_base + torch.arange(first, upto)).reshape(-1)
+        for st in self._layers:
+            keys = st.k_pool.gather(slots, self._gather_buffer(len(slots))[0])
+            keys = keys.view(self.n_kv, n_blocks, b, self.head_dim).transpose(0, 1)
+            received = None
+            if st.received is not None:
+                lo = first * b - self._win_base
+                window = st.received[:, lo : lo + n_blocks * b]
+                received = window.reshape(self.n_kv, n_blocks, b).transpose(0, 1)
+            st.anchors[first:upto] = block_anchors(
+                keys, self.lc.anchor_type, self.lc.anchor_num, received
+            )
+        self._n_anchored = upto
+
+    def _shift_window(self, new_base: int) -> None:
+        keep = self._length - new_base
+        src = new_base - self._win_base
+        for st in self._layers:
+            tensors = [st.win_k, st.win_v]
+            if st.win_store_k is not st.win_k:
+                tensors.append(st.win_store_k)
+            if st.received is not None:
+                tensors.append(st.received)
+            for t in tensors:
+                t[:, :keep] = t[:, src : src + keep].clone()
+        self._win_base = new_base
+
+    def _gather_buffer(self, n_slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._gather_k.shape[0] < n_slots:
+            size = max(n_slots, 2 * self._gather_k.shape[0])
+            shape = (size, self.block, self.head_dim)
+            self._gather_k = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self._gather_v = torch.empty(shape, dtype=self.dtype, device=self.device)
+        return self._gather_k, self._gather_v
+
+    # -- selection ---------------------------------------------------------------------------
+    def _candidates(self, st: _LayerState) -> torch.Tensor:
+        if st.preselected is not None:
+            fresh = torch.arange(max(self._first_generated, _SINK_BLOCKS), self._n_anchored)
+            return torch.cat([st.preselected, fresh])
+        return torch.arange(_SINK_BLOCKS, max(self._n_anchored, _SINK_BLOCKS))
+
+    def _select(self, layer: int, st: _LayerState, q_far: torch.Tensor) -> torch.Tensor | None:
+        """Block ids this layer reads now: [k] shared by all heads or [n_kv, k] per head."""
+        lc = self.lc
+        if self._n_anchored <= _SINK_BLOCKS:
+            return None
+        if layer < lc.dense_layer_num:
+            return torch.arange(_SINK_BLOCKS, self._n_anchored)
+        if (layer - lc.dense_layer_num) % lc.layer_step:
+            st.selection = self._layers[layer - 1].selection
+            return st.selection
+        decoding = self._n_new == 1
+        if decoding and st.selection is not None and st.selection_age < lc.token_step:
+            st.selection_age += 1
+            # Blocks that left the window since the selection was made join it: otherwise
+            # they would be read by no part of the attention until the next selection.
+            if self._n_anchored > st.selection_upto:
+                fresh = torch.arange(st.selection_upto, self._n_anchored)
+                if st.selection.dim() == 2:
+                    fresh = fresh.expand(self.n_kv, -1)
+                st.selection = torch.cat([st.selection, fresh], dim=-1)
+                st.selection_upto = self._n_anchored
+            return st.selection
+        candidates = self._candidates(st)
+        if lc.second_select_num == 0 or len(candidates) == 0:
+            return None
+        query = q_far.float().mean(dim=1)
+        scores = score_blocks(query, st.anchors[candidates], lc.anchor_type, lc.head_select_mode)
+        st.selection = candidates[select_top(scores, lc.second_select_num)]
+        st.selection_upto = self._n_anchored
+        # A chunk's selection (from its mean query) is never reused for decode queries.
+        st.selection_age = 1 if decoding else lc.token_step
+        return st.selection
+
+    def _retrieve(
+        self, layer: int, st: _LayerState, q_far: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gather the selected blocks' keys and values: [n_kv, k * block, D] each."""
+        blocks = self._select(layer, st, q_far)
+        self._last_selection[layer] = blocks
+        empty = st.sink_k[:, :0]
+        if blocks is None or blocks.numel() == 0:
+            return empty, empty
+        per_head = blocks if blocks.dim() == 2 else blocks.unsqueeze(0).expand(self.n_kv, -1)
+        slots = (self._head_base + per_head).reshape(-1)
+        self.device_cache.touch(layer, slots.tolist())
+        gk, gv = self._gather_buffer(len(slots))
+        k = st.k_pool.gather(slots, gk).view(self.n_kv, -1, self.head_dim)
+        v = st.v_pool.gather(slots, gv).view(self.n_kv, -1, self.head_dim)
+        return k, v
+
+    def _preselect(self) -> None:
+        """SnapKV-style: the last prompt queries vote once for the blocks worth keeping."""
+        self._needs_preselect = False
+        ids = torch.arange(_SINK_BLOCKS, max(self._n_anchored, _SINK_BLOCKS))
+        for layer, st in enumerate(self._layers):
+            if layer < self.lc.dense_layer_num or st.q_last is None or len(ids) == 0:
+                continue
+            keep = preselect_vote(
+                st.q_last, st.anchors[ids], self.lc.anchor_type, self.lc.preselect_block_count
+            )
+            st.preselected = ids[keep]
+            st.selection = None
+        self._first_generated = self._n_anchored
+
+    def _record_received(self, st: _LayerState, qa: torch.Tensor, ws: int, end: int) -> None:
+        """Attention the last queries of a chunk give the local window, for DYNAMIC anchors."""
+        assert st.received is not None
+        m = min(qa.shape[1], _RECEIVED_QUERIES)
+        group = self.n_heads // self.n_kv
+        q = qa[:, -m:].float().reshape(self.n_kv, group * m, self.head_dim)
+        keys = st.win_k[:, ws:end].float()
+        scores = torch.matmul(q, keys.transpose(1, 2)) * self.head_dim**-0.5
+        # Query i of the last m sits at window column (end - ws) - m + i: it sees keys up to it.
+        cols = torch.arange(end - ws)
+        rows = torch.arange(m).repeat(group) + (end - ws - m)
+        scores.masked_fill_(cols[None, None, :] > rows[None, :, None], float("-inf"))
+        st.received[:, ws:end] += torch.softmax(scores, dim=-1).sum(dim=1)
+
+    # -- housekeeping ------------------------------------------------------------------------
+    @torch.inference_mode()  # its scratch buffers are made inside the model's inference mode
+    def truncate(self, n_tokens: int) -> None:
+        if n_tokens >= self._length:
+            return
+        n_tokens = max(n_tokens, 0)
+        self._length = n_tokens
+        self._n_stored = n_tokens // self.block
+        start = max(0, (n_tokens - self.window) // self.block * self.block)
+        self._n_anchored = min(self._n_anchored, start // self.block)
+        self._first_generated = min(self._first_generated, self._n_anchored)
+        self._needs_preselect = False
+        for st in self._layers:
+            st.selection, st.preselected, st.q_last = None, None, None
+        self.device_cache.invalidate()
+        if start < self._win_base:
+            self._reload_window(start)
+
+    def _reload_window(self, start: int) -> None:
+        """Refill the window buffer from the store after truncating below it."""
+        b = self.block
+        first, last = start // b, -(-self._length // b)
+        slots = (self._head_base + torch.arange(first, last)).reshape(-1)
+        n = (last - first) * b
+        cos, sin = self.rope.cos_sin(start, n, self.dtype)
+        for st in self._layers:
+            gk, gv = self._gather_buffer(len(slots))
+            keys = st.k_pool.gather(slots, gk).view(self.n_kv, n, self.head_dim)
+            values = st.v_pool.gather(slots, gv).view(self.n_kv, n, self.head_dim)
+            st.win_store_k[:, :n] = keys
+            st.win_v[:, :n] = values
+            if st.win_store_k is not st.win_k:
+                st.win_k[:, :n] = rotate(keys, cos, sin)
+            if st.received is not None:
+                st.received.zero_()
+        self._win_base = start
+
+    def stats(self) -> CacheStats:
+        lc = self.lc
+        first = self._layers[0]
+        window_start = max(0, (self._length - self.window) // self.block * self.block)
+        sinks = self.block if window_start >= _SINK_BLOCKS * self.block else 0
+        resident = self._length - window_start + sinks
+        per_token_full = 2 * self.n_kv * self.head_dim * self.dtype.itemsize
+        layers = []
+        for i, blocks in enumerate(self._last_selection):
+            selected = () if blocks is None else tuple(sorted(set(blocks.reshape(-1).tolist())))
+            layers.append(
+                LayerStats(
+                    layer=i,
+                    dense=i < lc.dense_layer_num,
+                    candidates=max(self._n_anchored - _SINK_BLOCKS, 0),
+                    selected=selected,
+                )
+            )
+        return CacheStats(
+            backend=self.name,
+            tokens=self._length,
+            capacity_tokens=self.max_tokens,
+            kv_bytes=self.n_layers * 2 * self.n_kv * self._n_stored * first.k_pool.bytes_per_slot,
+            kv_dtype=lc.kv_type,
+            position_mode=self.position_mode,
+            block_size=self.block,
+            blocks_in_dram=self._n_stored,
+            resident_tokens=resident,
+            resident_bytes=self.n_layers * per_token_full * (self.win_cap + self.block)
+            + 2 * self._gather_k.numel() * self._gather_k.element_size(),
+            anchor_bytes=self.n_layers * self._n_anchored * first.anchors[0].numel() * 4,
+            device_slots_used=self.device_cache.used,
+            device_slots_total=self.device_cache.total,
+            hits=self.device_cache.hits,
+            misses=self.device_cache.misses,
+            bytes_moved=self.device_cache.bytes_moved,
+            layers=tuple(layers),
+        )

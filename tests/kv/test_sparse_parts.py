@@ -1,0 +1,153 @@
+"""Behaviour of the block-sparse cache's parts, driven through the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.kv.sparse import SparseBackend
+
+from .conftest import dense_cache, run, small_settings, sparse_cache
+
+PROMPT = 700
+
+
+def _ids(n: int = PROMPT, seed: int = 7) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def test_sinks_are_always_attended(tiny):
+    # With no retrieved blocks at all, the first block must still be read (attention sink):
+    # the output equals attention over exactly {block 0} + local window, computed densely.
+    settings = small_settings(second_select_num=0, dense_layer_num=0)
+    cache = sparse_cache(tiny, settings)
+    run(tiny, cache, _ids(), 64)
+    stats = cache.stats()
+    assert all(layer.selected == () for layer in stats.layers)
+    assert stats.resident_tokens == PROMPT - (PROMPT - 128) // 32 * 32 + 32
+    # Zeroing the sink block's values changes the output, so it is read.
+    before = tiny.forward(torch.tensor([5]), cache)
+    cache.truncate(PROMPT)
+    for st in cache._layers:
+        st.sink_v.zero_()
+    after = tiny.forward(torch.tensor([5]), cache)
+    assert (before - after).abs().max() > 1e-4
+
+
+def test_block_completion_and_anchor_timing(tiny):
+    settings = small_settings()
+    cache = sparse_cache(tiny, settings)
+    run(tiny, cache, _ids(100), 64)
+    s = cache.stats()
+    assert s.blocks_in_dram == 100 // 32 and s.tokens == 100
+    # Nothing has left the 128-token window yet: no candidates, nothing selected.
+    assert s.layers[0].candidates == 0 and s.anchor_bytes == 0
+    run(tiny, cache, _ids(300, seed=2), 64)
+    s = cache.stats()
+    assert s.blocks_in_dram == 400 // 32
+    # Blocks leave the window at the start of a pass: the last chunk started at 356.
+    window_start = (356 - 128) // 32 * 32
+    assert s.layers[0].candidates == window_start // 32 - 1  # minus the sink block
+    assert (
+        s.kv_bytes == 4 * 2 * 2 * (400 // 32) * 32 * 32 * 4
+    )  # layers, K+V, heads, tokens, dim, fp32
+
+
+class NoRotation:
+    """Positions that do not rotate anything, so planted keys keep their direction."""
+
+    def cos_sin(self, start: int, length: int, dtype: torch.dtype):
+        return torch.ones(length, 32, dtype=dtype), torch.zeros(length, 32, dtype=dtype)
+
+
+@pytest.mark.parametrize("anchor_type", ["DYNAMIC", "FIXED", "BLOCK_MEAN", "BLOCK_MAX", "QUEST"])
+@pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
+def test_planted_block_is_selected(anchor_type, mode):
+    gen = torch.Generator().manual_seed(3)
+    settings = small_settings(
+        second_select_num=2, dense_layer_num=0, anchor_type=anchor_type, head_select_mode=mode
+    )
+    cache = SparseBackend(
+        1, 2, 1, 32, NoRotation(), torch.float32, "cpu", settings, "native", 4096, 4096
+    )
+    needle = torch.randn(32, generator=gen)
+    needle = 4 * needle / needle.norm()
+    keys = 0.1 * torch.randn(1, PROMPT, 32, generator=gen)
+    keys[0, 5 * 32 : 6 * 32] += needle
+    for start in range(0, PROMPT, 64):
+        n = min(64, PROMPT - start)
+        cache.begin(n)
+        q = 0.1 * torch.randn(2, n, 32, generator=gen)
+        cache.attend(0, q, keys[:, start : start + n], torch.randn(1, n, 32, generator=gen))
+        cache.commit()
+    cache.begin(1)
+    cache.attend(0, needle.expand(2, 1, 32), needle.view(1, 1, 32), torch.zeros(1, 1, 32))
+    cache.commit()
+    assert 5 in cache.stats().layers[0].selected
+
+
+def test_token_step_reuses_selection_and_counts_hits(tiny):
+    settings = small_settings(second_select_num=3, token_step=4, dense_layer_num=0)
+    cache = sparse_cache(tiny, settings)
+    run(tiny, cache, _ids(), 64)
+    picks = []
+    for t in range(4):
+        tiny.forward(torch.tensor([t]), cache)
+        picks.append(cache.stats().layers[2].selected)
+    assert picks[0] == picks[1] == picks[2]
+    s = cache.stats()
+    assert s.hits > 0 and s.misses > 0 and 0 < s.hit_rate < 1
+    assert s.bytes_moved == s.misses * cache.device_cache.bytes_per_block
+
+
+def test_layer_step_shares_selection_between_layers(tiny):
+    settings = small_settings(second_select_num=2, layer_step=2, dense_layer_num=0)
+    cache = sparse_cache(tiny, settings)
+    run(tiny, cache, _ids(), 64, decode=1)
+    layers = cache.stats().layers
+    assert layers[0].selected == layers[1].selected
+    assert layers[2].selected == layers[3].selected
+
+
+def test_preselection_keeps_sinks_and_generated_blocks(tiny):
+    settings = small_settings(
+        second_select_num=2, preselect_block=True, preselect_block_count=3, dense_layer_num=0
+    )
+    cache = sparse_cache(tiny, settings)
+    run(tiny, cache, _ids(), 64)
+    tiny.forward(torch.tensor([1]), cache)
+    kept = cache._layers[1].preselected
+    assert kept is not None and len(kept) == 3 and 0 not in kept.tolist()
+    first_generated = cache._n_anchored
+    # Generate past a block boundary and out of the window: new blocks become candidates.
+    for t in range(80):
+        tiny.forward(torch.tensor([t % 256]), cache)
+    candidates = cache._candidates(cache._layers[1]).tolist()
+    assert set(kept.tolist()) <= set(candidates)
+    assert any(b >= first_generated for b in candidates)
+    assert cache.stats().resident_tokens > 128  # sinks + window still resident
+
+
+def test_truncate_then_continue_equals_fresh(tiny):
+    ids = _ids()
+    settings = small_settings(second_select_num=10_000, dense_layer_num=0)
+    cache = sparse_cache(tiny, settings)
+    run(tiny, cache, ids, 64)
+    # Drop far back (below the window buffer) and mid-block, then prefill a new ending.
+    cache.truncate(250)
+    tail = _ids(150, seed=9)
+    got = run(tiny, cache, tail, 64)
+    reference = run(tiny, dense_cache(tiny), torch.cat([ids[:250], tail]), 64)[250:]
+    assert (got - reference).abs().max().item() < 1e-3
+
+
+def test_extrapolate_mode_keeps_positions_in_range(tiny):
+    # Keys are stored unrotated; the far part is read at a fixed distance. With a full budget it
+    # is no longer dense attention, but it must be finite, close to it for near-uniform heads,
+    # and never ask RoPE for a position past window + block + pass.
+    settings = small_settings(second_select_num=10_000, dense_layer_num=0, chunk_size=64)
+    cache = sparse_cache(tiny, settings, position_mode="extrapolate")
+    got = run(tiny, cache, _ids(), 64, decode=8)
+    assert torch.isfinite(got).all()
+    assert cache.max_chunk == 64
+    assert cache.stats().position_mode == "extrapolate"
