@@ -118,6 +118,22 @@ def cmd_config(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from kvchat.core.engine import Engine
+    from kvchat.core.plan import plan_table
+
+    engine = Engine.load(_load(args).settings, args.model)
+    sys.stdout.write(
+        plan_table(
+            engine.config,
+            engine.settings.long_context,
+            engine.model.dtype.itemsize,
+            engine.model.nbytes,
+        )
+    )
+    return 0
+
+
 def _parse_contexts(text: str) -> list[int]:
     sizes = []
     for part in text.split(","):
@@ -132,6 +148,16 @@ def _parse_contexts(text: str) -> list[int]:
     return sizes
 
 
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, not {text!r}")
+    return value
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     settings = _load(args).settings
     if args.what == "speed":
@@ -144,6 +170,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
             decode_tokens=args.decode_tokens,
             with_transformers=not args.no_transformers,
             log=lambda msg: print(msg, file=sys.stderr),
+        )
+    elif args.what == "passkey":
+        from kvchat.core.bench_passkey import run_passkey_bench
+
+        line: list[ProgressLine] = []
+
+        def progress(done: int, total: int) -> None:  # a fresh line (and clock) per prefill
+            if done == 0 or not line:
+                line[:] = [ProgressLine("prefill", sys.stderr)]
+            if done:
+                line[0](done, total)
+
+        result = run_passkey_bench(
+            settings,
+            args.lengths,
+            args.depths,
+            trials=args.trials,
+            model_spec=args.model,
+            compare_dense=args.compare_dense,
+            on_progress=progress,
+            seed=args.seed,
         )
     else:
         from kvchat.core.bench_tokenize import tokenize_benchmark
@@ -191,8 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     config.add_argument("action", choices=["path", "show", "validate"])
     config.set_defaults(func=cmd_config)
 
+    plan = sub.add_parser(
+        "plan", parents=[common], help="memory needed for 4K..1M tokens, and whether it fits"
+    )
+    plan.set_defaults(func=cmd_plan)
+
     bench = sub.add_parser("bench", parents=[common], help="benchmarks that print numbers and JSON")
-    bench.add_argument("what", choices=["speed", "tokenize"])
+    bench.add_argument("what", choices=["speed", "tokenize", "passkey"])
     bench.add_argument(
         "--contexts",
         type=_parse_contexts,
@@ -204,6 +256,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-transformers", action="store_true", help="skip the transformers baseline in `speed`"
     )
     bench.add_argument("--tokens", type=int, default=1_000_000, help="text size for `tokenize`")
+    bench.add_argument(
+        "--lengths",
+        type=_parse_contexts,
+        default=_parse_contexts("4k,8k,16k,32k,64k,128k"),
+        help="document lengths for `passkey`, e.g. 4k,8k,32k",
+    )
+    bench.add_argument(
+        "--depths",
+        type=_positive,
+        default=5,
+        help="evenly spaced key depths for `passkey` (0 to 1)",
+    )
+    bench.add_argument("--trials", type=_positive, default=1, help="keys per cell for `passkey`")
+    bench.add_argument("--seed", type=int, default=0, help="seed of the keys for `passkey`")
+    bench.add_argument(
+        "--compare-dense",
+        type=_parse_contexts,
+        default=[],
+        metavar="LENGTHS",
+        help="also run `passkey` with dense attention at these lengths, e.g. 4k,8k,16k",
+    )
     bench.add_argument("--json", metavar="PATH", help="also write the result here")
     bench.set_defaults(func=cmd_bench)
     return parser
