@@ -1,0 +1,94 @@
+"""The memory planner against hand-computed bytes, and the guards that use it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from kvchat.config import LongContextSettings
+from kvchat.core.model_config import ModelConfig
+from kvchat.core.plan import RUNTIME_BYTES, PlanRefusedError, plan_memory, plan_table
+
+SMOL = ModelConfig(
+    architecture="llama",
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_layers=30,
+    num_heads=9,
+    num_kv_heads=3,
+    head_dim=64,
+    rms_norm_eps=1e-5,
+    rope_theta=1e5,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+    name="smol",
+)
+SPARSE = LongContextSettings(attention="sparse")
+GIB = 1024**3
+
+
+def test_dense_kv_bytes():
+    p = plan_memory(SMOL, replace(SPARSE, attention="dense"), 4096, 2, 0, 100 * GIB)
+    # tokens x (K,V) x layers x KV heads x head_dim x bf16
+    assert p.kv_bytes == 4096 * 2 * 30 * 3 * 64 * 2 == 94_371_840
+    assert p.anchor_bytes == p.resident_bytes == 0
+
+
+@pytest.mark.parametrize(
+    "kv_type,per_token_head",
+    [("FP16", 64 * 2), ("INT8", 64 + 2 * 2), ("INT4", 32 + 2 * 2 * 2)],
+)
+def test_sparse_kv_bytes_by_kv_type(kv_type, per_token_head):
+    p = plan_memory(SMOL, replace(SPARSE, kv_type=kv_type), 4096, 2, 0, 100 * GIB)
+    # 32 blocks of 128 tokens; values+scales (+minimums) per token and head
+    assert p.kv_bytes == 32 * 128 * 30 * 2 * 3 * per_token_head
+    assert p.kv_type == kv_type
+
+
+def test_anchor_and_resident_bytes():
+    p = plan_memory(SMOL, SPARSE, 4096, 2, 0, 100 * GIB)
+    assert p.anchor_bytes == 32 * 30 * 3 * 1 * 64 * 4
+    quest = plan_memory(SMOL, replace(SPARSE, anchor_type="QUEST"), 4096, 2, 0, 100 * GIB)
+    assert quest.anchor_bytes == 2 * p.anchor_bytes
+    window = 4096 + 2 * 128 + 4096
+    sinks = 30 * 2 * 3 * 128 * 64 * 2
+    gather = 2 * 3 * 32 * 128 * 64 * 2  # dense layers gather all 32 blocks; 32 = select too
+    assert p.resident_bytes == 30 * 3 * window * (3 * 64 * 2 + 4) + sinks + gather
+    assert p.activation_bytes > RUNTIME_BYTES
+
+
+def test_fits_and_refusal_message():
+    p = plan_memory(SMOL, SPARSE, 1 << 20, 2, 100_000_000, 8 * GIB)
+    assert not p.fits
+    msg = p.refusal()
+    assert "1048576 tokens" in msg and "GiB" in msg and "INT4" in msg and "max_seq_len" in msg
+    assert plan_memory(SMOL, replace(SPARSE, kv_type="INT4"), 1 << 20, 2, 0, 16 * GIB).fits
+
+
+def test_plan_table_lists_every_size_and_kv_type():
+    table = plan_table(SMOL, SPARSE, 2, 100_000_000)
+    for n in ("4096", "32768", "65536", "131072", "524288", "1048576"):
+        assert f"\n{n:>9} " in table
+    assert "FP16" in table and "INT8" in table and "INT4" in table
+
+
+def test_engine_refuses_a_plan_above_memory(engine_fp32, settings_fp32):
+    from kvchat.core.engine import Engine
+
+    huge = replace(
+        settings_fp32,
+        long_context=replace(settings_fp32.long_context, attention="dense", max_seq_len=4_194_304),
+    )
+    engine = Engine(
+        huge,
+        engine_fp32.model,
+        engine_fp32.tokenizer,
+        engine_fp32.source,
+        engine_fp32.threads,
+        engine_fp32.weight_format,
+    )
+    with pytest.raises(PlanRefusedError) as e:
+        engine.check_fits(4_000_000, 0)  # 4M fp32 tokens: ~170 GiB of KV
+    assert "4000000 tokens need" in str(e.value) and "usable" in str(e.value)
