@@ -21,6 +21,7 @@ import psutil
 import torch
 
 from kvchat.config import Settings
+from kvchat.kv.backend import CacheStats
 
 from .engine import Engine, ProgressFn
 from .haystack import PASSKEY_QUESTION, answer_is_correct, make_passkey_document, random_passkey
@@ -120,6 +121,7 @@ def _run_cell(
     answer = "".join(session.ask(PASSKEY_QUESTION, params, on_progress=on_progress))
     seconds = time.perf_counter() - started
     stats = engine.stats()
+    needle = _needle_block(engine, document, passkey)
     return {
         "length": length,
         "depth": depth,
@@ -136,7 +138,32 @@ def _run_cell(
         "decode_tok_s": stats.decode_tok_s,
         "time_to_first_token_s": stats.time_to_first_token,
         "seconds": seconds,
+        "needle_block": needle,
+        "needle_recall": _needle_recall(stats.cache, needle),
     }
+
+
+def _needle_block(engine: Engine, document: str, passkey: int) -> int | None:
+    """The cache block that holds the passkey's first digits (None for the dense cache)."""
+    block = engine.settings.long_context.block_size
+    if engine.session.cache.stats().block_size == 0:
+        return None
+    tokenizer = engine.tokenizer
+    prefix = engine.session.conversation.document_prefix_length(tokenizer)
+    offset = document.index(str(passkey))
+    return (prefix + len(tokenizer.encode(document[:offset]))) // block
+
+
+def _needle_recall(cache: CacheStats, needle: int | None) -> float | None:
+    """Fraction of the selecting layers whose last selection holds the needle's block.
+
+    None when nothing had to be selected: dense attention, or the needle in the sinks or the
+    local window (no layer then has it as a candidate).
+    """
+    layers = [layer for layer in cache.layers if not layer.dense]
+    if needle is None or not layers or needle == 0 or needle > layers[0].candidates:
+        return None
+    return sum(needle in layer.selected for layer in layers) / len(layers)
 
 
 def _cell_line(label: str, cell: dict) -> str:

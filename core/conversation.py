@@ -49,6 +49,13 @@ class Conversation:
             tokenizer, text[: text.index(_PLACEHOLDER) + len(_PLACEHOLDER)]
         )
 
+    def document_prefix_length(self, tokenizer: Tokenizer) -> int:
+        """Tokens of the template before the document's first token."""
+        text = tokenizer.chat_text(
+            self._template_messages(_PENDING_QUESTION), add_generation_prompt=False
+        )
+        return len(tokenizer.encode(text[: text.index(_PLACEHOLDER)]))
+
     def _encode_around_document(self, tokenizer: Tokenizer, text: str) -> list[int]:
         if not self.document_ids:
             return tokenizer.encode(text)

@@ -344,6 +344,19 @@ class BlockPool:
             dest.copy_(work)
         return dest
 
+    def span(self, groups: int, first: int, last: int) -> torch.Tensor | None:
+        """Blocks first..last of each of `groups` equal slot ranges, read in place.
+
+        The slots are seen as [groups, n_slots // groups] (one range per KV head); returns
+        [groups, (last - first) * block_size, head_dim] without copying, or None when the
+        blocks are quantized and must be gathered (dequantized) instead.
+        """
+        if self.kv_type != "FP16":
+            return None
+        per_group = self.n_slots // groups
+        rows = self._data.view(groups, per_group * self.block_size, self.head_dim)
+        return rows[:, first * self.block_size : last * self.block_size]
+
     def read(self, slot: int) -> torch.Tensor:
         """One block [block_size, head_dim] in `dtype`, a fresh tensor (for anchors and tests)."""
         out = torch.empty((1, self.block_size, self.head_dim), dtype=self.dtype, device=self.device)

@@ -354,6 +354,14 @@ class SparseBackend(AttentionBackend):
         empty = st.sink_k[:, :0]
         if blocks is None or blocks.numel() == 0:
             return empty, empty
+        if layer < self.lc.dense_layer_num and self.device.type == "cpu":
+            # Every candidate is read: one contiguous run per head, read in place when the
+            # store is unquantized (no copy of what may be the whole context).
+            first, last = _SINK_BLOCKS, self._n_anchored
+            k = st.k_pool.span(self.n_kv, first, last)
+            v = st.v_pool.span(self.n_kv, first, last)
+            if k is not None and v is not None:
+                return k, v
         per_head = blocks if blocks.dim() == 2 else blocks.unsqueeze(0).expand(self.n_kv, -1)
         slots = (self._head_base + per_head).reshape(-1)
         self.device_cache.touch(layer, slots.tolist())
