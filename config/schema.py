@@ -147,7 +147,7 @@ class LongContextSettings:
         max=65_536,
     )
     max_seq_len: int = setting(
-        32_768,
+        131_072,
         "Capacity of the KV cache in tokens (document + conversation); the block store in "
         "DRAM grows up to this, so choose it from the DRAM you have.",
         min=256,
@@ -241,9 +241,10 @@ class LongContextSettings:
         max=1024,
     )
     attention: str = setting(
-        "dense",
-        "dense = every query attends to the whole KV cache (exact, slow on long texts); "
-        "sparse = only to sinks, selected blocks and the local window.",
+        "sparse",
+        "sparse = each query attends to the sinks, the local window and the selected blocks "
+        "(bounded cost per token, and with position_mode extrapolate the model answers far "
+        "past its trained context); dense = to the whole KV cache (exact, slow on long texts).",
         choices=("dense", "sparse"),
     )
     position_mode: str = setting(

@@ -75,18 +75,6 @@ def _fitting_settings(settings: Settings, tokenizer: Tokenizer, longest: int) ->
     return replace(settings, long_context=replace(lc, max_seq_len=needed))
 
 
-def _sibling(engine: Engine, settings: Settings) -> Engine:
-    """An Engine with other cache settings over the same loaded weights and tokenizer."""
-    return Engine(
-        settings,
-        engine.model,
-        engine.tokenizer,
-        engine.source,
-        engine.threads,
-        engine.weight_format,
-    )
-
-
 def _snippet(answer: str) -> str:
     text = " ".join(answer.split())
     return text if len(text) <= _SNIPPET_CHARS else text[: _SNIPPET_CHARS - 1] + "…"
@@ -315,8 +303,8 @@ def run_passkey_bench(
     dense = None
     if compare_dense:
         lc = engine.settings.long_context
-        dense_engine = _sibling(
-            engine, replace(engine.settings, long_context=replace(lc, attention="dense"))
+        dense_engine = engine.with_settings(
+            replace(engine.settings, long_context=replace(lc, attention="dense"))
         )
         dense = _run_grid(
             dense_engine, "dense", compare_dense, grid, trials, seed, log, on_progress

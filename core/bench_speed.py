@@ -9,9 +9,10 @@ from __future__ import annotations
 import os
 import platform
 import time
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, replace
 
+import psutil
 import torch
 
 from kvchat.config import Settings
@@ -29,6 +30,7 @@ def _prompt_ids(engine: Engine, n_tokens: int) -> list[int]:
 
 
 def _bench_ours(engine: Engine, ids: list[int], decode_tokens: int) -> dict[str, float]:
+    engine.new_session()  # let go of the previous cache before measuring memory
     session = engine.new_session()
     started = time.perf_counter()
     logits = session.extend(ids)
@@ -39,11 +41,17 @@ def _bench_ours(engine: Engine, ids: list[int], decode_tokens: int) -> dict[str,
         for _ in range(decode_tokens):
             token = int(engine.model.forward(torch.tensor([token]), session.cache)[-1].argmax())
     decode_s = time.perf_counter() - started
+    plan = engine.plan(len(ids) + decode_tokens)
     return {
         "prefill_tok_s": len(ids) / prefill_s,
         "decode_tok_s": decode_tokens / decode_s,
         "prefill_s": prefill_s,
         "decode_s": decode_s,
+        "attention": session.cache.name,
+        "position_mode": session.cache.position_mode,
+        # Whole-process RSS (interpreter and libraries included) against the plan's total.
+        "rss_bytes": psutil.Process().memory_info().rss,
+        "plan_total_bytes": plan.total_bytes,
     }
 
 
@@ -78,20 +86,36 @@ def _bench_transformers(model, ids: list[int], decode_tokens: int) -> dict[str, 
     }
 
 
+def _compare(row: dict, name: str, ours: dict, theirs: dict) -> str:
+    """Add a baseline's numbers and our speed-up over it to `row`; return the log text."""
+    row[name] = theirs
+    ratios = {k: ours[f"{k}_tok_s"] / theirs[f"{k}_tok_s"] for k in ("prefill", "decode")}
+    row[f"{name}_ratio"] = ratios
+    return (
+        f"  | {name} prefill {theirs['prefill_tok_s']:7.1f}  decode {theirs['decode_tok_s']:6.1f}"
+        f"  | x{ratios['prefill']:.2f} prefill, x{ratios['decode']:.2f} decode"
+    )
+
+
 def run_speed_bench(
     settings: Settings,
     contexts: list[int],
     model_spec: str | None = None,
     decode_tokens: int = 32,
     with_transformers: bool = True,
+    compare_dense: Sequence[int] = (),
     log: Log = print,
 ) -> dict:
-    """Measure both engines at every context size; returns a JSON-ready dict with ratios."""
+    """Measure kvchat (and transformers, and kvchat with dense attention at the sizes in
+    `compare_dense`) at every context size; returns a JSON-ready dict with ratios."""
     longest = max(contexts) + decode_tokens + 64
     lc = settings.long_context
     if lc.max_seq_len < longest:
         settings = replace(settings, long_context=replace(lc, max_seq_len=longest))
     engine = Engine.load(settings, model_spec)
+    dense = engine.with_settings(
+        replace(settings, long_context=replace(settings.long_context, attention="dense"))
+    )
     hf = _load_transformers(model_spec or settings.model.path) if with_transformers else None
     rows = []
     for n in contexts:
@@ -103,15 +127,9 @@ def run_speed_bench(
             f"decode {ours['decode_tok_s']:6.1f} tok/s"
         )
         if hf is not None:
-            theirs = _bench_transformers(hf, ids, decode_tokens)
-            row["transformers"] = theirs
-            row["decode_ratio"] = ours["decode_tok_s"] / theirs["decode_tok_s"]
-            row["prefill_ratio"] = ours["prefill_tok_s"] / theirs["prefill_tok_s"]
-            line += (
-                f"  | transformers prefill {theirs['prefill_tok_s']:7.1f}  decode "
-                f"{theirs['decode_tok_s']:6.1f}  | ratio prefill {row['prefill_ratio']:.2f}x "
-                f"decode {row['decode_ratio']:.2f}x"
-            )
+            line += _compare(row, "transformers", ours, _bench_transformers(hf, ids, decode_tokens))
+        if n in compare_dense and engine.settings.long_context.attention != "dense":
+            line += _compare(row, "dense", ours, _bench_ours(dense, ids, decode_tokens))
         log(line)
         rows.append(row)
     stats = engine.stats()
@@ -121,6 +139,7 @@ def run_speed_bench(
         "dtype": stats.dtype,
         "weight_format": stats.weight_format,
         "attention": stats.attention,
+        "long_context": asdict(engine.settings.long_context),
         "threads": stats.threads,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "torch": torch.__version__,

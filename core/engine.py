@@ -269,6 +269,13 @@ class Engine:
         tokenizer = load_tokenizer(source)
         return cls(settings, model, tokenizer, source, threads, weight_format)
 
+    def with_settings(self, settings: Settings) -> Engine:
+        """Another Engine over the same loaded weights and tokenizer, with other settings
+        (e.g. another cache type), for comparisons in one process."""
+        return Engine(
+            settings, self.model, self.tokenizer, self.source, self.threads, self.weight_format
+        )
+
     @property
     def config(self) -> ModelConfig:
         return self.model.cfg

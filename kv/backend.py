@@ -55,6 +55,18 @@ class CacheStats:
         return self.hits / lookups if lookups else 0.0
 
 
+class ContextFullError(RuntimeError):
+    """A pass would grow the cache past the size it was planned for."""
+
+
+def check_capacity(end: int, max_tokens: int) -> None:
+    if end > max_tokens:
+        raise ContextFullError(
+            f"the cache holds at most {max_tokens} tokens "
+            f"(long_context.max_seq_len); this pass would reach {end}"
+        )
+
+
 class AttentionBackend(ABC):
     """Owns the KV cache of one token sequence and computes attention for every layer.
 

@@ -5,12 +5,8 @@ from __future__ import annotations
 import torch
 
 from .attention import chunk_attention, decode_attention
-from .backend import AttentionBackend, CacheStats
+from .backend import AttentionBackend, CacheStats, check_capacity
 from .positions import RopeTables, rotate
-
-
-class ContextFullError(RuntimeError):
-    """A pass would grow the cache past the size it was planned for."""
 
 
 class DenseBackend(AttentionBackend):
@@ -64,11 +60,7 @@ class DenseBackend(AttentionBackend):
 
     def begin(self, n_new: int) -> None:
         end = self._length + n_new
-        if end > self.max_tokens:
-            raise ContextFullError(
-                f"the cache holds at most {self.max_tokens} tokens "
-                f"(long_context.max_seq_len); this pass would reach {end}"
-            )
+        check_capacity(end, self.max_tokens)
         self._grow(end)
         self._n_new = n_new
         self._cos, self._sin = self.rope.cos_sin(self._length, n_new, self.dtype)

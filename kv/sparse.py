@@ -29,8 +29,7 @@ from kvchat.config import LongContextSettings
 
 from .anchors import anchor_rows, block_anchors
 from .attention import chunk_attention, decode_attention
-from .backend import AttentionBackend, CacheStats, LayerStats
-from .dense import ContextFullError
+from .backend import AttentionBackend, CacheStats, LayerStats, check_capacity
 from .device_cache import DeviceBlockCache
 from .positions import RopeTables, rotate
 from .quant import BlockPool
@@ -97,29 +96,18 @@ class SparseBackend(AttentionBackend):
         rows = anchor_rows(lc.anchor_type)
         pin = torch.cuda.is_available()
         shape = (n_kv_heads, self.win_cap, head_dim)
+
+        def pool() -> BlockPool:
+            n_slots = n_kv_heads * self.max_blocks
+            return BlockPool(n_slots, self.block, head_dim, lc.kv_type, dtype, "cpu", pin)
+
         self._layers: list[_LayerState] = []
         for _ in range(n_layers):
             win_k = torch.zeros(shape, dtype=dtype, device=self.device)
             self._layers.append(
                 _LayerState(
-                    k_pool=BlockPool(
-                        n_kv_heads * self.max_blocks,
-                        self.block,
-                        head_dim,
-                        lc.kv_type,
-                        dtype,
-                        "cpu",
-                        pin,
-                    ),
-                    v_pool=BlockPool(
-                        n_kv_heads * self.max_blocks,
-                        self.block,
-                        head_dim,
-                        lc.kv_type,
-                        dtype,
-                        "cpu",
-                        pin,
-                    ),
+                    k_pool=pool(),
+                    v_pool=pool(),
                     # Untouched pages cost no memory: only anchored blocks are ever written.
                     anchors=torch.empty(self.max_blocks, n_kv_heads, rows, head_dim),
                     win_k=win_k,
@@ -168,11 +156,7 @@ class SparseBackend(AttentionBackend):
     # -- a pass --------------------------------------------------------------------------
     def begin(self, n_new: int) -> None:
         end = self._length + n_new
-        if end > self.max_tokens:
-            raise ContextFullError(
-                f"the cache holds at most {self.max_tokens} tokens "
-                f"(long_context.max_seq_len); this pass would reach {end}"
-            )
+        check_capacity(end, self.max_tokens)
         if n_new > self.win_cap - self.window - 2 * self.block:
             raise ValueError(
                 f"a pass of {n_new} tokens exceeds the chunk size {self.lc.chunk_size}"

@@ -136,7 +136,7 @@ def test_defaults_are_the_documented_ones():
     assert dataclasses.astuple(s.generation) == (512, 0.0, 1.0, 0, 1.0, 0)
     assert dataclasses.astuple(s.long_context) == (
         4096,
-        32768,
+        131072,
         128,
         4096,
         32,
@@ -150,7 +150,7 @@ def test_defaults_are_the_documented_ones():
         32,
         1,
         1,
-        "dense",
+        "sparse",
         "auto",
     )
     assert dataclasses.astuple(s.ui) == ("dark", 4.0, True)

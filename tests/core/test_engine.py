@@ -55,19 +55,10 @@ def test_logits_and_greedy_tokens_match_transformers(engine_fp32, hf_model):
 
 
 def test_chunked_prefill_equals_one_pass(engine_fp32, settings_fp32):
-    from kvchat.core.engine import Engine
-
     ids = _chat_ids(engine_fp32, "Tell me about the history of Paris, briefly. " * 8)
     whole = engine_fp32.new_session().extend(ids)
     small = replace(settings_fp32, long_context=replace(settings_fp32.long_context, chunk_size=16))
-    chunked = Engine(
-        small,
-        engine_fp32.model,
-        engine_fp32.tokenizer,
-        engine_fp32.source,
-        engine_fp32.threads,
-        engine_fp32.weight_format,
-    )
+    chunked = engine_fp32.with_settings(small)
     progress = []
     last = chunked.session.extend(ids, on_progress=lambda d, t: progress.append((d, t)))
     assert (last - whole).abs().max().item() < 1e-4
@@ -77,17 +68,8 @@ def test_chunked_prefill_equals_one_pass(engine_fp32, settings_fp32):
 
 
 def test_cancelled_prefill_leaves_session_usable(engine_fp32, settings_fp32):
-    from kvchat.core.engine import Engine
-
     small = replace(settings_fp32, long_context=replace(settings_fp32.long_context, chunk_size=16))
-    engine = Engine(
-        small,
-        engine_fp32.model,
-        engine_fp32.tokenizer,
-        engine_fp32.source,
-        engine_fp32.threads,
-        engine_fp32.weight_format,
-    )
+    engine = engine_fp32.with_settings(small)
     ids = _chat_ids(engine, "Summarise the plot of Hamlet in detail. " * 6)
     cancel = threading.Event()
 
@@ -150,19 +132,10 @@ def test_sampling_is_seeded(engine_fp32):
 
 
 def test_prompt_over_max_seq_len_is_refused_with_numbers(engine_fp32, settings_fp32):
-    from kvchat.core.engine import Engine
-
     tight = replace(
         settings_fp32, long_context=replace(settings_fp32.long_context, max_seq_len=1024)
     )
-    engine = Engine(
-        tight,
-        engine_fp32.model,
-        engine_fp32.tokenizer,
-        engine_fp32.source,
-        engine_fp32.threads,
-        engine_fp32.weight_format,
-    )
+    engine = engine_fp32.with_settings(tight)
     with pytest.raises(PlanRefusedError) as e:
         engine.check_fits(1000, 512)
     msg = str(e.value)
@@ -178,7 +151,8 @@ def test_stats_snapshot(engine_fp32):
     s = engine_fp32.stats()
     assert s.context_tokens == len(session.tokens) == s.cache.tokens
     assert s.prefill_tokens > 0 and s.prefill_tok_s > 0
-    assert s.attention == "dense" and s.position_mode == "native"
-    assert s.rss_bytes > 0 and s.cache.kv_bytes > 0
+    assert s.attention == "sparse" and s.position_mode == "native"  # short: native positions
+    assert s.rss_bytes > 0 and s.cache.resident_bytes > 0
+    assert s.cache.resident_tokens == s.context_tokens  # all of it still in the local window
     with pytest.raises(AttributeError):
         s.context_tokens = 0  # type: ignore[misc]

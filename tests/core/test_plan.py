@@ -75,20 +75,11 @@ def test_plan_table_lists_every_size_and_kv_type():
 
 
 def test_engine_refuses_a_plan_above_memory(engine_fp32, settings_fp32):
-    from kvchat.core.engine import Engine
-
     huge = replace(
         settings_fp32,
         long_context=replace(settings_fp32.long_context, attention="dense", max_seq_len=4_194_304),
     )
-    engine = Engine(
-        huge,
-        engine_fp32.model,
-        engine_fp32.tokenizer,
-        engine_fp32.source,
-        engine_fp32.threads,
-        engine_fp32.weight_format,
-    )
+    engine = engine_fp32.with_settings(huge)
     with pytest.raises(PlanRefusedError) as e:
         engine.check_fits(4_000_000, 0)  # 4M fp32 tokens: ~170 GiB of KV
     assert "4000000 tokens need" in str(e.value) and "usable" in str(e.value)
