@@ -67,6 +67,16 @@ def chunk_attention(
     return merge_partials(outs, lses)[0]
 
 
+def _per_head(a: torch.Tensor, b: torch.Tensor, b_in_place: bool) -> torch.Tensor:
+    """a @ b for each head. Keys read in place (the local window buffer, the block store) are
+    views whose head stride is not their rows' size; batched matmul takes a slow path on
+    those (measured: 5x slower for a 4K window, 20x for 128K keys), one matmul per head
+    does not."""
+    if not b_in_place:
+        return torch.matmul(a, b)
+    return torch.stack([torch.matmul(a[h], b[h]) for h in range(a.shape[0])])
+
+
 def decode_attention(
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +97,7 @@ def decode_attention(
     out = None
     for (_, _, v), p in zip(parts, split, strict=True):
         if p.shape[-1]:
-            part = torch.matmul(p.to(v.dtype), v)
+            part = _per_head(p.to(v.dtype), v, not v.is_contiguous())
             out = part if out is None else out + part
     assert out is not None, "decode attention needs at least one key"
     return out.reshape(n_heads, 1, dim), split[0].sum(dim=1)
