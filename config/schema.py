@@ -196,9 +196,10 @@ class LongContextSettings:
         choices=("FP16", "INT8", "INT4"),
     )
     dense_layer_num: int = setting(
-        2,
+        0,
         "The first dense_layer_num layers attend to every token without block selection "
-        "(early layers spread their attention too widely to select well).",
+        "(early layers spread their attention widely); each costs a read of the whole "
+        "context per token, so 0 keeps decode speed flat with length.",
         min=0,
         max=1024,
     )

@@ -143,7 +143,7 @@ def test_defaults_are_the_documented_ones():
         0,
         "DYNAMIC",
         "FP16",
-        2,
+        0,
         1,
         False,
         "SHARED",
