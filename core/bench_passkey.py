@@ -134,7 +134,7 @@ def _run_cell(
 def _needle_block(engine: Engine, document: str, passkey: int) -> int | None:
     """The cache block that holds the passkey's first digits (None for the dense cache)."""
     block = engine.settings.long_context.block_size
-    if engine.session.cache.stats().block_size == 0:
+    if engine.session.cache_stats().block_size == 0:
         return None
     tokenizer = engine.tokenizer
     prefix = engine.session.conversation.document_prefix_length(tokenizer)

@@ -83,6 +83,15 @@ class Session:
             self._cache = self.engine.new_cache(0)
         return self._cache
 
+    def cache_stats(self) -> CacheStats:
+        """The cache's snapshot; an empty one before the first prefill (creates nothing, so
+        any thread may call it)."""
+        if self._cache is not None:
+            return self._cache.stats()
+        lc = self.engine.settings.long_context
+        mode = self.engine.position_mode_for(0)
+        return CacheStats(lc.attention, 0, lc.max_seq_len, 0, lc.kv_type, mode)
+
     def prepare(self, planned_tokens: int) -> None:
         """Make sure the cache suits a context of `planned_tokens` (prompt + reply).
 
@@ -328,7 +337,7 @@ class Engine:
 
     def plan(self, n_tokens: int) -> MemoryPlan:
         """Memory a context of n_tokens needs with the current settings, against what is free."""
-        held = self.session.cache.stats() if self.session._cache is not None else None
+        held = self.session.cache_stats()
         return plan_memory(
             self.config,
             self.settings.long_context,
@@ -336,7 +345,7 @@ class Engine:
             self.model.dtype.itemsize,
             self.model.nbytes,
             psutil.virtual_memory().available,
-            0 if held is None else held.kv_bytes + held.anchor_bytes + held.resident_bytes,
+            held.kv_bytes + held.anchor_bytes + held.resident_bytes,
         )
 
     def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
@@ -392,7 +401,7 @@ class Engine:
         self._decode = (tokens, seconds)
 
     def stats(self) -> EngineStats:
-        cache = self.session.cache.stats()
+        cache = self.session.cache_stats()
         cfg = self.config
         return EngineStats(
             model=cfg.name or self.source.name,
@@ -401,7 +410,7 @@ class Engine:
             dtype=str(self.model.dtype).removeprefix("torch."),
             weight_format=self.weight_format,
             threads=self.threads,
-            attention=self.session.cache.name,
+            attention=cache.backend,
             position_mode=cache.position_mode,
             max_seq_len=self.settings.long_context.max_seq_len,
             context_tokens=len(self.session.tokens),
