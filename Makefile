@@ -5,9 +5,6 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvchat-installed
 
-# Until the Textual app lands, `make run` questions the bundled sample document headless.
-QUESTION ?= When was the lighthouse built, and who designed it?
-
 .PHONY: run test lint setup
 
 $(PY):
@@ -23,7 +20,7 @@ $(STAMP): $(PY) pyproject.toml
 setup: $(STAMP)
 
 run: $(STAMP)
-	$(VENV)/bin/kvchat ask --verbose --prompt-file core/data/sample.txt "$(QUESTION)"
+	$(VENV)/bin/kvchat
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,4 +1,5 @@
-"""The `kvchat` command: headless subcommands (ask, config, bench) and, later, the app."""
+"""The `kvchat` command: the Textual app by default, and headless subcommands (ask, config,
+plan, bench)."""
 
 from __future__ import annotations
 
@@ -11,26 +12,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TextIO
 
-from kvchat.config import ConfigError, load_settings, settings_to_yaml
+from kvchat.config import load_settings, settings_to_yaml
 from kvchat.core.cancel import Cancelled
 from kvchat.core.documents import DocumentError, read_document
-from kvchat.core.model_config import UnsupportedModelError
-from kvchat.core.plan import PlanRefusedError
-from kvchat.core.tokenizer import TokenizerError
-from kvchat.core.weights import WeightsError
+from kvchat.core.errors import USER_ERRORS
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-# Errors that are the user's input or environment, reported as one line, never a traceback.
-USER_ERRORS = (
-    ConfigError,
-    DocumentError,
-    PlanRefusedError,
-    WeightsError,
-    UnsupportedModelError,
-    TokenizerError,
-)
 
 
 class ProgressLine:
@@ -169,6 +157,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             model_spec=args.model,
             decode_tokens=args.decode_tokens,
             with_transformers=not args.no_transformers,
+            compare_dense=args.compare_dense,
             log=lambda msg: print(msg, file=sys.stderr),
         )
     elif args.what == "passkey":
@@ -206,22 +195,55 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_common_options(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        default=default,
+        help="settings file (default: $KVCHAT_HOME/config.yaml)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY=VALUE",
+        default=default,
+        help="override a setting for this run, e.g. --set long_context.kv_type=INT8 (repeatable)",
+    )
+    parser.add_argument(
+        "--model",
+        metavar="M",
+        default=default,
+        help="bundled model name, GGUF file or HF folder",
+    )
+
+
+def cmd_app(args: argparse.Namespace) -> int:
+    """The Textual app (the default when no subcommand is given)."""
+    from kvchat.tui.app import KvchatApp
+
+    loaded = _load(args)
+    for warning in loaded.warnings:
+        print(f"kvchat: warning: {warning}", file=sys.stderr)
+    if args.prompt_file is not None:
+        read_document(args.prompt_file)  # a bad file is refused here, before the app starts
+    KvchatApp(loaded.settings, model_spec=args.model, prompt_file=args.prompt_file).run()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvchat",
         description="Question very long texts with a local LLM (block-sparse KV cache in DRAM).",
     )
+    # The shared options are accepted before the subcommand (for the app) and after it. The
+    # subcommands' copies default to SUPPRESS so an option given before the subcommand is not
+    # overwritten by the subcommand's own default.
+    _add_common_options(parser, default=None)
+    parser.add_argument(
+        "--prompt-file", metavar="FILE", help="the app: load this document at start"
+    )
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--config", metavar="PATH", help="settings file (default: $KVCHAT_HOME/config.yaml)"
-    )
-    common.add_argument(
-        "--set",
-        action="append",
-        metavar="KEY=VALUE",
-        help="override a setting for this run, e.g. --set long_context.kv_type=INT8 (repeatable)",
-    )
-    common.add_argument("--model", metavar="M", help="bundled model name, GGUF file or HF folder")
+    _add_common_options(common, default=argparse.SUPPRESS)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
     ask = sub.add_parser("ask", parents=[common], help="answer one question about a file, headless")
@@ -275,7 +297,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_parse_contexts,
         default=[],
         metavar="LENGTHS",
-        help="also run `passkey` with dense attention at these lengths, e.g. 4k,8k,16k",
+        help="also run with dense attention at these sizes (passkey, speed), e.g. 4k,32k",
     )
     bench.add_argument("--json", metavar="PATH", help="also write the result here")
     bench.set_defaults(func=cmd_bench)
@@ -285,10 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
-        parser.print_help()
-        return 0
-    run: Callable[[argparse.Namespace], int] = args.func
+    run: Callable[[argparse.Namespace], int] = getattr(args, "func", cmd_app)
     try:
         return run(args)
     except USER_ERRORS as e:

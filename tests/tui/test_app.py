@@ -1,0 +1,219 @@
+"""The Textual app end to end with the real SmolLM2 engine, driven by Textual's pilot.
+
+One engine is loaded for the module and shared by the app instances (each app starts a new
+session on it); only the first test lets the app load its own model in its worker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from textual.pilot import Pilot
+from textual.widgets import Input
+
+from kvchat.config import Settings, load_settings
+from kvchat.core.engine import Engine
+from kvchat.tui.app import KvchatApp
+from kvchat.tui.messages import ReplyPiece, StepFinished
+from kvchat.tui.screens.load_file import LoadFileScreen
+from kvchat.tui.widgets.chat import STOPPED_MARK, ChatMessage, ChatPane
+from kvchat.tui.widgets.status import StatusLine
+
+# Small enough to be quick, and a max_seq_len a test file can exceed cheaply.
+OVERRIDES = [
+    "generation.max_new_tokens=8",
+    "long_context.chunk_size=256",
+    "long_context.max_seq_len=8192",
+]
+# Async tests run on anyio's pytest plugin (installed with Textual), on asyncio only.
+pytestmark = pytest.mark.anyio
+
+NOTE = "The meeting is on Tuesday at the blue house. The blue house is on Elm Street.\n"
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def settings() -> Settings:
+    return load_settings(overrides=OVERRIDES).settings
+
+
+@pytest.fixture(scope="module")
+def engine(settings: Settings) -> Engine:
+    return Engine.load(settings)
+
+
+async def wait_for(pilot: Pilot, condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Let the app run until `condition` holds (the engine works in a thread meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for the app")
+        await pilot.pause(0.05)
+
+
+async def wait_idle(pilot: Pilot, app: KvchatApp) -> None:
+    await pilot.pause()
+    await wait_for(pilot, lambda: not app.busy)
+    await app.workers.wait_for_complete()
+    await pilot.pause()
+
+
+async def load_through_dialog(pilot: Pilot, app: KvchatApp, path: Path) -> None:
+    await pilot.press("ctrl+o")
+    await wait_for(pilot, lambda: isinstance(app.screen, LoadFileScreen))
+    app.screen.query_one("#load-path", Input).value = str(path)
+    await pilot.press("enter")
+
+
+async def ask(pilot: Pilot, app: KvchatApp, question: str) -> None:
+    app.query_one("#prompt").focus()
+    await pilot.press(*question)
+    await pilot.press("enter")
+
+
+def messages(app: KvchatApp, role: str) -> list[ChatMessage]:
+    return [m for m in app.query_one(ChatPane).query(ChatMessage) if m.role == role]
+
+
+def status_text(app: KvchatApp) -> str:
+    return str(app.query_one(StatusLine).render())
+
+
+def notifications(app: KvchatApp) -> list[str]:
+    return [n.message for n in app._notifications]
+
+
+async def test_app_loads_its_own_model_in_the_worker(settings: Settings) -> None:
+    app = KvchatApp(settings)
+    async with app.run_test(size=(140, 45)) as pilot:
+        assert app.engine is None and "loading model" in status_text(app)
+        await wait_idle(pilot, app)
+        assert app.engine is not None
+        app.refresh_stats()
+        assert app.engine.stats().model in status_text(app)
+        assert "context 0/" in status_text(app)
+
+
+async def test_load_a_document_and_ask(settings: Settings, engine: Engine, tmp_path: Path) -> None:
+    doc = tmp_path / "note.txt"
+    doc.write_text(NOTE * 3)
+    app = KvchatApp(settings, engine=engine)
+    async with app.run_test(size=(140, 45)) as pilot:
+        await load_through_dialog(pilot, app, doc)
+        await wait_idle(pilot, app)
+        conversation = engine.session.conversation
+        assert conversation.document_name == "note.txt" and conversation.document_ids
+        [card] = messages(app, "document")
+        assert (
+            "note.txt" in card.source and f"{len(conversation.document_ids)} tokens" in card.source
+        )
+        assert "The meeting is on Tuesday" in card.source
+        prefilled = len(engine.session.tokens)
+        assert prefilled > len(conversation.document_ids)
+
+        await ask(pilot, app, "Where is the meeting?")
+        await wait_idle(pilot, app)
+        [user] = messages(app, "user")
+        [reply] = messages(app, "assistant")
+        assert user.source == "Where is the meeting?"
+        assert reply.source.strip() and STOPPED_MARK not in reply.source
+        assert conversation.messages[-1] == {"role": "assistant", "content": reply.source}
+        assert len(engine.session.tokens) > prefilled  # the document prefix was reused
+        assert app.query_one("#prompt").text == ""
+
+
+async def test_esc_stops_a_prefill_and_the_session_stays_usable(
+    settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    doc = tmp_path / "long.txt"
+    doc.write_text(" ".join(f"Line {i}: the lighthouse keeper logs weather." for i in range(260)))
+    app = KvchatApp(settings, engine=engine)
+    async with app.run_test(size=(140, 45)) as pilot:
+        await load_through_dialog(pilot, app, doc)
+        await wait_for(pilot, lambda: 0 < len(engine.session.tokens))
+        await pilot.press("escape")
+        await wait_idle(pilot, app)
+        total = len(engine.session.conversation.document_prefix_ids(engine.tokenizer))
+        assert 0 < len(engine.session.tokens) < total
+        assert any("cancelled" in n for n in notifications(app))
+
+        await ask(pilot, app, "What does the keeper log?")
+        await wait_idle(pilot, app)
+        [reply] = messages(app, "assistant")
+        assert reply.source.strip() and STOPPED_MARK not in reply.source
+        assert len(engine.session.tokens) > total
+
+
+@pytest.mark.parametrize(
+    "content,reason",
+    [
+        (bytes(range(256)) * 4, "binary file"),
+        (b"", "the file is empty"),
+        # 10K tokens, more than max_seq_len (8K): refused after tokenizing, before any prefill.
+        (b"The grass is green. The sky is blue. " * 1000, "long_context.max_seq_len is 8192"),
+    ],
+    ids=["binary", "empty", "over-the-plan"],
+)
+async def test_bad_files_are_refused_and_change_nothing(
+    settings: Settings, engine: Engine, tmp_path: Path, content: bytes, reason: str
+) -> None:
+    good, bad = tmp_path / "good.txt", tmp_path / "bad.bin"
+    good.write_text(NOTE)
+    bad.write_bytes(content)
+    app = KvchatApp(settings, engine=engine)
+    async with app.run_test(size=(140, 45)) as pilot:
+        await load_through_dialog(pilot, app, good)
+        await wait_idle(pilot, app)
+        session = engine.session
+        ids = list(session.conversation.document_ids)
+        tokens = list(session.tokens)
+        await ask(pilot, app, f"/load {bad}")
+        await wait_idle(pilot, app)
+        assert any(reason in n for n in notifications(app)), notifications(app)
+        assert engine.session is session
+        assert session.conversation.document_ids == ids and session.tokens == tokens
+        assert len(messages(app, "document")) == 1
+
+
+async def test_slash_commands(settings: Settings, engine: Engine) -> None:
+    app = KvchatApp(settings, engine=engine)
+    async with app.run_test(size=(140, 45)) as pilot:
+        await ask(pilot, app, "/help")
+        await pilot.pause()
+        [note] = messages(app, "note")
+        assert "/load PATH" in note.source
+        await ask(pilot, app, "/nonsense")
+        await pilot.pause()
+        assert any("unknown command /nonsense" in n for n in notifications(app))
+        await ask(pilot, app, "/clear")
+        await pilot.pause()
+        assert not messages(app, "note")
+
+
+async def test_newline_keys_do_not_send(settings: Settings, engine: Engine) -> None:
+    app = KvchatApp(settings, engine=engine)
+    async with app.run_test(size=(140, 45)) as pilot:
+        await ask(pilot, app, "")  # focus; an empty prompt sends nothing
+        await pilot.press("a", "ctrl+j", "b")
+        assert app.query_one("#prompt").text == "a\nb"
+        assert not messages(app, "user")
+
+
+async def test_a_stopped_reply_is_kept_and_marked(settings: Settings, engine: Engine) -> None:
+    app = KvchatApp(settings, engine=engine)
+    async with app.run_test(size=(140, 45)) as pilot:
+        app.reply = await app.query_one(ChatPane).add_reply()
+        app.busy = True
+        app.post_message(ReplyPiece("The meeting is"))
+        app.post_message(StepFinished("reply", stopped=True, detail="stopped"))
+        await wait_idle(pilot, app)
+        [reply] = messages(app, "assistant")
+        assert reply.source == "The meeting is" + STOPPED_MARK
+        assert reply.has_class("stopped") and app.reply is None

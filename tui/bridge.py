@@ -1,0 +1,138 @@
+"""The engine steps the app runs in its worker thread: load the model, load a document,
+answer a question.
+
+Each step talks to the UI only through `post` (the app's thread-safe post_message) and
+rate-limits what it posts: reply text at most every 50 ms, progress at most 10 times a
+second, so a fast engine never floods the UI's message queue.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from textual.message import Message
+
+from kvchat.config import Settings
+from kvchat.core.cancel import Cancelled
+from kvchat.core.conversation import Conversation
+from kvchat.core.documents import read_document
+from kvchat.core.engine import Engine
+from kvchat.core.errors import USER_ERRORS
+
+from .messages import DocumentInfo, DocumentLoaded, ModelLoaded, Progress, ReplyPiece, StepFinished
+
+Post = Callable[[Message], object]
+
+
+TOKEN_INTERVAL_S = 0.05
+PROGRESS_INTERVAL_S = 0.1
+CARD_LINES = 5
+CARD_LINE_CHARS = 160
+
+
+class TokenBatcher:
+    """Collects reply pieces and posts them together at most every `interval` seconds."""
+
+    def __init__(self, post: Post, interval: float = TOKEN_INTERVAL_S) -> None:
+        self.post, self.interval = post, interval
+        self.pending: list[str] = []
+        self.last = time.monotonic()
+
+    def add(self, text: str) -> None:
+        self.pending.append(text)
+        if time.monotonic() - self.last >= self.interval:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.pending:
+            self.post(ReplyPiece("".join(self.pending)))
+            self.pending.clear()
+        self.last = time.monotonic()
+
+
+def progress_reporter(
+    post: Post, phase: str, interval: float = PROGRESS_INTERVAL_S
+) -> Callable[[int, int], None]:
+    """An on_progress callback posting Progress at most every `interval` s (and at the end)."""
+    started = time.monotonic()
+    last = -interval
+
+    def report(done: int, total: int) -> None:
+        nonlocal last
+        now = time.monotonic()
+        if done < total and now - last < interval:
+            return
+        last = now
+        post(Progress(phase, done, total, now - started))
+
+    return report
+
+
+def run_step(kind: str, post: Post, cancel: threading.Event, body: Callable[[], str]) -> None:
+    """Run `body` and always post one StepFinished, whatever happened.
+
+    `body` returns a detail line for a normal end. Unexpected exceptions are reported too,
+    so a bug in one step leaves the app (and the session) usable.
+    """
+    try:
+        detail = body()
+    except Cancelled as e:
+        post(StepFinished(kind, stopped=True, detail=str(e)))
+    except USER_ERRORS as e:
+        post(StepFinished(kind, error=str(e)))
+    except Exception as e:  # noqa: BLE001 - shown to the user instead of killing the app
+        post(StepFinished(kind, error=f"unexpected {type(e).__name__}: {e}"))
+    else:
+        post(StepFinished(kind, stopped=cancel.is_set(), detail=detail))
+
+
+def load_model(settings: Settings, model_spec: str | None, post: Post) -> str:
+    engine = Engine.load(settings, model_spec)
+    post(ModelLoaded(engine))
+    return f"loaded {engine.source.name}"
+
+
+def load_document(engine: Engine, path: str | Path, post: Post, cancel: threading.Event) -> str:
+    """Read and tokenize `path`, check it fits, then (only then) replace the session and
+    prefill the document so the first question only prefills itself.
+
+    Any refusal before the swap leaves the current document and session untouched.
+    """
+    doc = read_document(path)
+    ids = engine.tokenizer.encode_long(doc.text, progress_reporter(post, "tokenize"), cancel)
+    candidate = Conversation(document_ids=ids, document_name=doc.name)
+    prefix = candidate.document_prefix_ids(engine.tokenizer)
+    max_new = engine.settings.generation.max_new_tokens
+    engine.check_fits(len(prefix), max_new)
+    session = engine.new_session()
+    session.conversation = candidate
+    post(DocumentLoaded(DocumentInfo(doc.name, doc.size_bytes, len(ids), _head(doc.text))))
+    session.prepare(len(prefix) + max_new)
+    session.sync(prefix, progress_reporter(post, "prefill"), cancel)
+    return f"{doc.name} is ready: {len(prefix)} tokens prefilled"
+
+
+def ask(engine: Engine, question: str, post: Post, cancel: threading.Event) -> str:
+    batcher = TokenBatcher(post)
+    try:
+        for piece in engine.session.ask(
+            question, on_progress=progress_reporter(post, "prefill"), cancel=cancel
+        ):
+            batcher.add(piece)
+    finally:
+        batcher.flush()  # the partial reply is kept, even when cancelled or failed
+    return ""
+
+
+def _head(text: str, n_lines: int = CARD_LINES, width: int = CARD_LINE_CHARS) -> str:
+    """The first non-blank lines of `text`, each cut to `width`: a preview, never the file."""
+    lines: list[str] = []
+    for line in text.splitlines():
+        if line.strip():
+            lines.append(line if len(line) <= width else line[:width] + "…")
+            if len(lines) == n_lines:
+                break
+    return "\n".join(lines)

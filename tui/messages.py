@@ -1,0 +1,66 @@
+"""Messages the engine worker posts to the app.
+
+The worker thread never touches a widget: it posts one of these (post_message is
+thread-safe) and the app updates the screen on its own thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.message import Message
+
+from kvchat.core.engine import Engine
+
+
+class ModelLoaded(Message):
+    def __init__(self, engine: Engine) -> None:
+        super().__init__()
+        self.engine = engine
+
+
+class Progress(Message):
+    """Throttled progress of a long step: `phase` is "tokenize" (characters) or "prefill"."""
+
+    def __init__(self, phase: str, done: int, total: int, elapsed: float) -> None:
+        super().__init__()
+        self.phase, self.done, self.total, self.elapsed = phase, done, total, elapsed
+
+
+@dataclass(frozen=True)
+class DocumentInfo:
+    """What the chat shows of a loaded document: never the whole text."""
+
+    name: str
+    size_bytes: int
+    tokens: int
+    head: str  # the first few lines, cut short
+
+
+class DocumentLoaded(Message):
+    """The document replaced the previous one; its prefix prefill follows."""
+
+    def __init__(self, info: DocumentInfo) -> None:
+        super().__init__()
+        self.info = info
+
+
+class ReplyPiece(Message):
+    """Batched text of the reply being generated."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+class StepFinished(Message):
+    """A worker step ("model", "document" or "reply") ended.
+
+    `stopped`: Esc cancelled it (detail says where); `error`: it failed, in words for the user.
+    """
+
+    def __init__(
+        self, kind: str, *, stopped: bool = False, detail: str = "", error: str | None = None
+    ) -> None:
+        super().__init__()
+        self.kind, self.stopped, self.detail, self.error = kind, stopped, detail, error

@@ -1,0 +1,1 @@
+"""Screens of the app other than the main one."""

@@ -1,0 +1,89 @@
+"""The chat pane: one Markdown widget per message, the reply streamed as it is generated."""
+
+from __future__ import annotations
+
+from textual.containers import VerticalScroll
+from textual.widgets import Markdown
+from textual.widgets.markdown import MarkdownStream
+
+from kvchat.tui.messages import DocumentInfo
+
+STOPPED_MARK = "\n\n*[stopped]*"
+
+
+class ChatMessage(Markdown):
+    """One message; `role` (user, assistant, note, document) is also its CSS class."""
+
+    def __init__(self, text: str, role: str) -> None:
+        super().__init__(text, classes=role)
+        self.role = role
+
+
+class Reply(ChatMessage):
+    """An assistant reply: streamed while generated, then set once in full.
+
+    The stream coalesces fragments that arrive faster than Markdown can render; the final
+    `update` makes the widget hold exactly the reply text (plus a stopped mark).
+    """
+
+    def __init__(self) -> None:
+        super().__init__("", "assistant")
+        self.text = ""
+        self._stream: MarkdownStream | None = None
+
+    async def add_text(self, fragment: str) -> None:
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self)
+        self.text += fragment
+        await self._stream.write(fragment)
+
+    async def finish(self, stopped: bool) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        if stopped:
+            self.add_class("stopped")
+        body = self.text if self.text or not stopped else ""
+        await self.update(body + (STOPPED_MARK if stopped else ""))
+
+
+class ChatPane(VerticalScroll):
+    async def add(self, message: ChatMessage) -> ChatMessage:
+        await self.mount(message)
+        self.scroll_end(animate=False)
+        return message
+
+    async def add_user(self, text: str) -> ChatMessage:
+        # A question is shown as typed, not interpreted as Markdown markup beyond paragraphs.
+        return await self.add(ChatMessage(text, "user"))
+
+    async def add_note(self, markdown: str) -> ChatMessage:
+        return await self.add(ChatMessage(markdown, "note"))
+
+    async def add_reply(self) -> Reply:
+        reply = Reply()
+        await self.add(reply)
+        return reply
+
+    async def add_document_card(self, info: DocumentInfo) -> ChatMessage:
+        return await self.add(ChatMessage(document_card(info), "document"))
+
+    def replies(self) -> list[Reply]:
+        return list(self.query(Reply))
+
+
+def document_card(info: DocumentInfo) -> str:
+    """The card that stands for a document in the chat: never the whole text."""
+    head = info.head.replace("```", "ʼʼʼ")  # keep the preview inside its code fence
+    return (
+        f"**{info.name}** — {human_bytes(info.size_bytes)}, {info.tokens:,} tokens\n\n"
+        f"```text\n{head}\n```"
+    )
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,90 @@
+"""Live panels fed from EngineStats snapshots (polled a few times a second, never per token)."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Sparkline, Static
+
+from kvchat.core.engine import EngineStats
+from kvchat.tui.widgets.chat import human_bytes
+
+SPARK_SAMPLES = 60
+
+
+class Panel(Vertical):
+    """A titled box whose body is rewritten from each stats snapshot."""
+
+    def __init__(self, title: str, **kwargs: str) -> None:
+        super().__init__(**kwargs)
+        self.border_title = title
+
+    def compose(self) -> ComposeResult:
+        yield Static(classes="panel-body")
+
+    def show(self, stats: EngineStats) -> None:
+        self.query_one(".panel-body", Static).update(self.body(stats))
+
+    def body(self, stats: EngineStats) -> str:
+        raise NotImplementedError
+
+
+class ThroughputPanel(Panel):
+    """Prefill and decode speed, a sparkline of recent decode speed, time to first token."""
+
+    def __init__(self, **kwargs: str) -> None:
+        super().__init__("throughput", **kwargs)
+        self.samples: deque[float] = deque(maxlen=SPARK_SAMPLES)
+        self._last_decode = 0
+
+    def compose(self) -> ComposeResult:
+        yield from super().compose()
+        yield Sparkline([], id="decode-spark")
+
+    def show(self, stats: EngineStats) -> None:
+        # Sample only while decoding moves, so the line shows speeds, not idle time.
+        if stats.decode_tokens != self._last_decode and stats.decode_tokens:
+            self.samples.append(stats.decode_tok_s)
+        self._last_decode = stats.decode_tokens
+        self.query_one(Sparkline).data = list(self.samples)
+        super().show(stats)
+
+    def body(self, stats: EngineStats) -> str:
+        ttft = "—" if stats.time_to_first_token is None else f"{stats.time_to_first_token:.2f} s"
+        return (
+            f"prefill {stats.prefill_tok_s:8.0f} tok/s ({stats.prefill_tokens:,} tok)\n"
+            f"decode  {stats.decode_tok_s:8.1f} tok/s ({stats.decode_tokens:,} tok)\n"
+            f"first token {ttft}"
+        )
+
+
+class DramPanel(Panel):
+    def __init__(self, **kwargs: str) -> None:
+        super().__init__("DRAM blocks", **kwargs)
+
+    def body(self, stats: EngineStats) -> str:
+        c = stats.cache
+        if not c.block_size:
+            return f"{c.backend}: no blocks\nKV {human_bytes(c.kv_bytes)} ({c.kv_dtype})"
+        return (
+            f"{c.blocks_in_dram:,} blocks × {c.block_size} tok\n"
+            f"KV {human_bytes(c.kv_bytes)} ({c.kv_dtype})\n"
+            f"anchors {human_bytes(c.anchor_bytes)}"
+        )
+
+
+class DeviceWindowPanel(Panel):
+    def __init__(self, **kwargs: str) -> None:
+        super().__init__("device window", **kwargs)
+
+    def body(self, stats: EngineStats) -> str:
+        c = stats.cache
+        if not c.block_size:
+            return f"{c.backend}: all {c.tokens:,} tokens on {stats.device}"
+        return (
+            f"resident {c.resident_tokens:,} tok ({human_bytes(c.resident_bytes)})\n"
+            f"slots {c.device_slots_used}/{c.device_slots_total}  hit {c.hit_rate:.0%}\n"
+            f"moved {human_bytes(c.bytes_moved)}"
+        )

@@ -1,0 +1,44 @@
+"""The status line and the prefill / tokenize progress bar."""
+
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.containers import Horizontal
+from textual.widgets import Label, ProgressBar, Static
+
+from kvchat.core.engine import EngineStats
+
+
+class StatusLine(Static):
+    """Model, context used / max_seq_len, kv_type, position mode, and what the engine does."""
+
+    def show(self, state: str, stats: EngineStats | None) -> None:
+        if stats is None:
+            self.update(f"[b]{state}[/b]")
+            return
+        self.update(
+            f"[b]{state}[/b] │ {stats.model} │ context {stats.context_tokens:,}/"
+            f"{stats.max_seq_len:,} │ kv {stats.cache.kv_dtype} │ {stats.attention} │ "
+            f"positions {stats.position_mode} │ {stats.device} {stats.dtype}"
+        )
+
+
+class StepProgress(Horizontal):
+    """A progress bar with tokens done / total, speed and ETA; hidden while idle."""
+
+    def compose(self) -> ComposeResult:
+        yield ProgressBar(show_eta=False, id="step-bar")
+        yield Label(id="step-label")
+
+    def show(self, phase: str, done: int, total: int, elapsed: float) -> None:
+        self.display = True
+        self.query_one(ProgressBar).update(total=max(total, 1), progress=done)
+        unit = "chars" if phase == "tokenize" else "tok"
+        rate = done / elapsed if elapsed > 0 else 0.0
+        eta = f"{(total - done) / rate:.0f} s" if rate > 0 else "—"
+        self.query_one(Label).update(
+            f"{phase} {done:,}/{total:,} {unit}  {rate:,.0f} {unit}/s  ETA {eta}  (Esc stops)"
+        )
+
+    def hide(self) -> None:
+        self.display = False
