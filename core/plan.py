@@ -14,6 +14,7 @@ import psutil
 from kvchat.config import LongContextSettings
 from kvchat.kv.anchors import anchor_rows
 from kvchat.kv.quant import bytes_per_token
+from kvchat.kv.sparse import window_capacity
 
 from .model_config import ModelConfig
 
@@ -70,11 +71,6 @@ class MemoryPlan:
 
 def _gib(n: float) -> str:
     return f"{n / 1024**3:.2f} GiB"
-
-
-def window_capacity(lc: LongContextSettings) -> int:
-    """Tokens the sparse cache keeps in full precision per layer (see SparseBackend)."""
-    return lc.local_windows_len + 2 * lc.block_size + lc.chunk_size
 
 
 def plan_memory(

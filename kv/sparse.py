@@ -41,6 +41,12 @@ _RECEIVED_QUERIES = 64  # prefill queries whose attention feeds DYNAMIC anchors
 _PRESELECT_QUERIES = 32  # last prompt queries that vote in preselection
 
 
+def window_capacity(lc: LongContextSettings) -> int:
+    """Tokens kept in full precision per layer: the local window, the partial block, the
+    sink-to-window gap, and one pass of new tokens. The planner sizes memory with it too."""
+    return lc.local_windows_len + 2 * lc.block_size + lc.chunk_size
+
+
 @dataclass
 class _LayerState:
     k_pool: BlockPool
@@ -91,8 +97,7 @@ class SparseBackend(AttentionBackend):
         self.window = lc.local_windows_len
         self.max_tokens = max_tokens
         self.max_blocks = -(-max_tokens // self.block)
-        # The window buffer holds the local window, the partial block and one pass of tokens.
-        self.win_cap = self.window + 2 * self.block + lc.chunk_size
+        self.win_cap = window_capacity(lc)
         rows = anchor_rows(lc.anchor_type)
         pin = torch.cuda.is_available()
         shape = (n_kv_heads, self.win_cap, head_dim)
@@ -153,15 +158,20 @@ class SparseBackend(AttentionBackend):
     def length(self) -> int:
         return self._length
 
+    def _window_start_at(self, length: int) -> int:
+        """First token of the local window for queries after `length` tokens: the block
+        boundary at or before length - local_windows_len."""
+        return max(0, (length - self.window) // self.block * self.block)
+
     # -- a pass --------------------------------------------------------------------------
     def begin(self, n_new: int) -> None:
         end = self._length + n_new
         check_capacity(end, self.max_tokens)
-        if n_new > self.win_cap - self.window - 2 * self.block:
+        if n_new > self.lc.chunk_size:
             raise ValueError(
                 f"a pass of {n_new} tokens exceeds the chunk size {self.lc.chunk_size}"
             )
-        start = max(0, (self._length - self.window) // self.block * self.block)
+        start = self._window_start_at(self._length)
         self._anchor_blocks(start // self.block)
         self._window_start = start
         if end - self._win_base > self.win_cap:
@@ -390,7 +400,7 @@ class SparseBackend(AttentionBackend):
         n_tokens = max(n_tokens, 0)
         self._length = n_tokens
         self._n_stored = n_tokens // self.block
-        start = max(0, (n_tokens - self.window) // self.block * self.block)
+        start = self._window_start_at(n_tokens)
         self._n_anchored = min(self._n_anchored, start // self.block)
         self._first_generated = min(self._first_generated, self._n_anchored)
         self._needs_preselect = False
@@ -422,7 +432,7 @@ class SparseBackend(AttentionBackend):
     def stats(self) -> CacheStats:
         lc = self.lc
         first = self._layers[0]
-        window_start = max(0, (self._length - self.window) // self.block * self.block)
+        window_start = self._window_start_at(self._length)
         sinks = self.block if window_start >= _SINK_BLOCKS * self.block else 0
         resident = self._length - window_start + sinks
         per_token_full = 2 * self.n_kv * self.head_dim * self.dtype.itemsize
