@@ -11,6 +11,7 @@ from kvchat.config import ConfigError
 from .documents import DocumentError
 from .model_config import UnsupportedModelError
 from .plan import PlanRefusedError
+from .snapshot import SnapshotError
 from .tokenizer import TokenizerError
 from .weights import WeightsError
 
@@ -21,4 +22,5 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     WeightsError,
     UnsupportedModelError,
     TokenizerError,
+    SnapshotError,
 )

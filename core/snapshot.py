@@ -1,0 +1,657 @@
+"""KV snapshots on disk: a long prefill saved once and loaded instead of computed again.
+
+A snapshot holds a session's cache (whatever the backend exports: block store in its kv_type,
+anchors, sinks, local window), the token ids it holds, the logits after the last of them, and
+a header that says which model and which cache settings made it. Lookup is by token prefix:
+a prompt whose first n tokens are a snapshot's n tokens (same model, same settings) starts
+from the snapshot and prefills only the rest.
+
+File format (version 1), little-endian, one file per snapshot, named `<id>.kvsnap`:
+
+    offset 0   8 bytes   magic b"KVCHATSS"
+           8   u32       format version (1)
+          12   u32       CRC-32 of the header bytes
+          16   u64       header length H
+          24   H bytes   header: UTF-8 JSON
+     then the sections, each at a multiple of 64 bytes, zero bytes between them
+
+The header holds: format, created (UTC), model {id, name}, settings (`cache_settings`),
+tokens (count), tokens_sha256 (of the ids as int32), prefill_tok_s (the speed of the prefill
+the snapshot replaces, for estimates), scalars (the cache's positions and counts), sections
+(name, dtype, shape, offset, nbytes, crc32 as 8 hex digits) and file_size. The sections are
+`tokens` (int32), `logits` (float32, after the last token) and `cache.<layer>.<part>`, one
+per tensor the backend exports (kv/state.py), each raw little-endian bytes in C order.
+Sections are aligned so a loader maps the file and views each section in place (no second
+copy in memory), and checksums are CRC-32 because zlib's runs at several GB/s, a small cost
+next to the prefill a snapshot replaces.
+
+A snapshot is written to a temporary file in the same folder, fsynced and renamed, so a crash
+never leaves a partial file under a snapshot's name. A file that fails a check is never used:
+a damaged one (bad header, truncated, bad checksum) is deleted, one from another model or
+other settings is kept for them; both are reported as warnings and the caller prefills.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import mmap
+import os
+import shutil
+import struct
+import tempfile
+import time
+import zlib
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kvchat.config import LongContextSettings, kvchat_home
+from kvchat.kv.sparse import RETUNABLE
+from kvchat.kv.state import CacheState
+
+from .model_config import ModelConfig
+
+FORMAT_VERSION = 1
+MAGIC = b"KVCHATSS"
+SUFFIX = ".kvsnap"
+ALIGN = 64
+_PREAMBLE = struct.Struct("<8sIIQ")  # magic, version, header CRC-32, header length
+_CHUNK = 64 << 20  # bytes per write / checksum call: bounded temporaries, progress between
+_STALE_TEMP_S = 600  # a temp file untouched this long belongs to a writer that died
+_DTYPES = {
+    str(t).removeprefix("torch."): t
+    for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+    + (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64)
+}
+# Capacity and threads do not change what a prefill computes, and a built cache takes new
+# RETUNABLE values at any time (Engine.apply_settings), so a snapshot does not pin them.
+_NOT_SHAPING = ("max_seq_len", "threads_num", *RETUNABLE)
+
+
+class SnapshotError(ValueError):
+    """A snapshot cannot be written, found or removed; the message says why."""
+
+
+class _Damaged(Exception):
+    """The file under a snapshot's name is not a whole, valid snapshot."""
+
+
+class _OtherFormat(_Damaged):
+    """A snapshot in a format another kvchat version writes: left alone."""
+
+
+def snapshot_dir() -> Path:
+    return kvchat_home() / "cache" / "snapshots"
+
+
+def cache_settings(
+    lc: LongContextSettings, position_mode: str, dtype: str, weight_format: str, cfg: ModelConfig
+) -> dict[str, object]:
+    """The settings that decide what a prefill puts in the cache: a snapshot is used only
+    when every one of them is the same now."""
+    shaping: dict[str, object] = {
+        "attention": lc.attention,
+        "position_mode": position_mode,
+        "dtype": dtype,
+        "weight_format": weight_format,
+        "rope_theta": cfg.rope_theta,
+        "rope_scaling": asdict(cfg.rope_scaling),
+    }
+    if lc.attention == "sparse":
+        for name, value in asdict(lc).items():
+            if name not in _NOT_SHAPING and name not in shaping:
+                shaping[name] = value
+    return shaping
+
+
+def tokens_digest(ids: Sequence[int]) -> str:
+    return hashlib.sha256(np.asarray(ids, dtype="<i4").tobytes()).hexdigest()
+
+
+# -- model identity ---------------------------------------------------------------------------
+
+
+def model_identity(source: Path) -> str:
+    """A digest of the model's metadata and tensor table (GGUF: key/values and tensor infos;
+    Hugging Face folder: config.json and the safetensors headers), of the file sizes, and of a
+    few small samples of the weights, so a fine-tune with identical headers differs too.
+    Reads a few MB at most, never the whole weights."""
+    source = Path(source)
+    if source.is_dir():
+        digest = hashlib.sha256(b"hf\0")
+        digest.update((source / "config.json").read_bytes())
+        for path in sorted(source.glob("*.safetensors")):
+            digest.update(path.name.encode() + b"\0")
+            digest.update(_weights_file_digest(path, _safetensors_header_end(path)))
+        return digest.hexdigest()
+    stat = source.stat()
+    return _gguf_identity(str(source.resolve()), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=8)
+def _gguf_identity(path: str, size: int, mtime_ns: int) -> str:
+    # Keyed on size and mtime too, so a file replaced in place is hashed again.
+    end = _gguf_header_end(Path(path))
+    return hashlib.sha256(b"gguf\0" + _weights_file_digest(Path(path), end)).hexdigest()
+
+
+def _weights_file_digest(path: Path, header_end: int, samples: int = 16) -> bytes:
+    """sha256 of the header bytes, the file size and `samples` 4 KiB pieces of the data."""
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        digest.update(struct.pack("<QQ", size, header_end))
+        digest.update(f.read(header_end))
+        span = max(size - header_end, 0)
+        for i in range(samples):
+            f.seek(header_end + span * i // samples)
+            digest.update(f.read(4096))
+    return digest.digest()
+
+
+def _safetensors_header_end(path: Path) -> int:
+    with path.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+    return 8 + length
+
+
+_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def _gguf_header_end(path: Path) -> int:
+    """Offset just past a GGUF file's key/values and tensor infos (version 2 and 3 layout)."""
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
+        if magic != b"GGUF" or version < 2:
+            raise SnapshotError(f"{path}: not a GGUF file of version 2 or later")
+
+        def skip_value(pos: int, kind: int) -> int:
+            if kind in _GGUF_SCALAR_SIZES:
+                return pos + _GGUF_SCALAR_SIZES[kind]
+            if kind == _GGUF_STRING:
+                return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
+            if kind == _GGUF_ARRAY:
+                item, count = struct.unpack_from("<IQ", buf, pos)
+                pos += 12
+                if item in _GGUF_SCALAR_SIZES:
+                    return pos + count * _GGUF_SCALAR_SIZES[item]
+                for _ in range(count):
+                    pos = skip_value(pos, item)
+                return pos
+            raise SnapshotError(f"{path}: unknown GGUF value type {kind}")
+
+        pos = 24
+        for _ in range(n_kv):
+            pos = skip_value(pos, _GGUF_STRING)
+            pos = skip_value(pos + 4, struct.unpack_from("<I", buf, pos)[0])
+        for _ in range(n_tensors):
+            pos = skip_value(pos, _GGUF_STRING)
+            n_dims = struct.unpack_from("<I", buf, pos)[0]
+            pos += 4 + 8 * n_dims + 4 + 8  # dims, type, data offset
+        return pos
+
+
+# -- what callers see -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SnapshotInfo:
+    """One snapshot file as listed: from its header, or why the header is unusable."""
+
+    id: str
+    path: Path
+    size_bytes: int
+    last_used: float  # the file's mtime, refreshed on every use (LRU eviction order)
+    tokens: int = 0
+    model_id: str = ""
+    model_name: str = ""
+    settings: dict[str, object] = field(default_factory=dict)
+    prefill_tok_s: float | None = None  # speed of the prefill it replaces, for estimates
+    created: str = ""
+    header: dict = field(default_factory=dict, repr=False)
+    problem: str | None = None  # set when the file cannot be used at all
+    damaged: bool = False  # the problem is damage (not another format version)
+
+    @property
+    def kv_type(self) -> str:
+        if self.settings.get("attention") == "dense":
+            return f"dense {self.settings.get('dtype', '?')}"
+        return str(self.settings.get("kv_type", "?"))
+
+
+@dataclass(frozen=True)
+class LoadedSnapshot:
+    """A verified snapshot, its tensors mapped from the file (views, not copies)."""
+
+    info: SnapshotInfo
+    tokens: list[int]
+    logits: torch.Tensor
+    state: CacheState
+
+
+@dataclass(frozen=True)
+class Lookup:
+    snapshot: LoadedSnapshot | None
+    warnings: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PrefillReport:
+    """What one prefill did: tokens computed, a snapshot loaded or saved, and warnings about
+    snapshots that could not be used. Front ends show it (CLI: stderr; app: notifications)."""
+
+    prefilled: int = 0
+    restored: SnapshotInfo | None = None
+    restore_seconds: float = 0.0
+    saved: SnapshotInfo | None = None
+    warnings: tuple[str, ...] = ()
+
+    def describe_restore(self) -> str | None:
+        """e.g. "loaded 32,768 tokens from snapshot 3f2a9c1e in 0.4 s (prefill would take
+        ~2 min)"; None when no snapshot was used."""
+        info = self.restored
+        if info is None:
+            return None
+        text = (
+            f"loaded {info.tokens:,} tokens from snapshot {info.id} in {self.restore_seconds:.1f} s"
+        )
+        if info.prefill_tok_s:
+            text += f" (prefill would take ~{format_duration(info.tokens / info.prefill_tok_s)})"
+        return text
+
+
+def format_duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
+
+
+def format_size(n_bytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n_bytes >= scale:
+            return f"{n_bytes / scale:.1f} {unit}"
+    return f"{n_bytes} B"
+
+
+# -- the store --------------------------------------------------------------------------------
+
+
+class SnapshotStore:
+    """The snapshot files of one folder, at most `max_bytes` in all (least recently used go)."""
+
+    def __init__(self, directory: Path, max_bytes: int) -> None:
+        self.directory = Path(directory)
+        self.max_bytes = max_bytes
+
+    # listing and removal
+    def entries(self) -> list[SnapshotInfo]:
+        """Every snapshot file, most recently used first; unreadable ones say why."""
+        if not self.directory.is_dir():
+            return []
+        found = [self._read_info(p) for p in self.directory.glob(f"*{SUFFIX}")]
+        return sorted(found, key=lambda info: info.last_used, reverse=True)
+
+    def remove(self, prefix: str) -> SnapshotInfo:
+        """Delete the one snapshot whose id starts with `prefix`."""
+        matches = [i for i in self.entries() if prefix and i.id.startswith(prefix)]
+        if len(matches) != 1:
+            what = "no snapshot" if not matches else f"{len(matches)} snapshots"
+            raise SnapshotError(
+                f"{what} with an id starting with {prefix!r} in {self.directory} "
+                "(see `kvchat cache list`)"
+            )
+        matches[0].path.unlink(missing_ok=True)
+        return matches[0]
+
+    def clear(self) -> list[SnapshotInfo]:
+        """Delete every snapshot, and temporary files that writers left behind."""
+        removed = self.entries()
+        for info in removed:
+            info.path.unlink(missing_ok=True)
+        for tmp in self._temp_files():
+            tmp.unlink(missing_ok=True)
+        return removed
+
+    def total_bytes(self) -> int:
+        return sum(info.size_bytes for info in self.entries())
+
+    # saving
+    def save(
+        self,
+        state: CacheState,
+        tokens: Sequence[int],
+        logits: torch.Tensor,
+        model_id: str,
+        model_name: str,
+        settings: dict[str, object],
+        prefill_tok_s: float | None = None,
+    ) -> SnapshotInfo:
+        """Write a snapshot (or refresh the identical one already there) and return it.
+
+        Makes room first by deleting the least recently used snapshots; refuses, before
+        writing anything, a snapshot larger than the cap or than the free disk space.
+        """
+        if not tokens:
+            raise SnapshotError("nothing to save: the cache holds no tokens")
+        token_hash = tokens_digest(tokens)
+        snap_id = _snapshot_id(model_id, settings, token_hash)
+        path = self.directory / f"{snap_id}{SUFFIX}"
+        existing = self._read_info(path) if path.exists() else None
+        if existing is not None and existing.problem is None:
+            os.utime(path)
+            return self._read_info(path)
+        sections = [
+            ("tokens", torch.tensor(list(tokens), dtype=torch.int32)),
+            ("logits", logits.detach().float().reshape(-1)),
+            *((f"cache.{name}", t) for name, t in state.tensors.items()),
+        ]
+        header = {
+            "format": FORMAT_VERSION,
+            "created": datetime.now(UTC).isoformat(timespec="seconds"),
+            "model": {"id": model_id, "name": model_name},
+            "settings": settings,
+            "tokens": len(tokens),
+            "tokens_sha256": token_hash,
+            "prefill_tok_s": prefill_tok_s,
+            "scalars": dict(state.scalars),
+        }
+        header = _layout(header, sections)
+        size = header["file_size"]
+        if size > self.max_bytes:
+            raise SnapshotError(
+                f"the snapshot would take {format_size(size)}, more than "
+                f"cache.snapshot_max_gib ({format_size(self.max_bytes)})"
+            )
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self._make_room(size)
+        free = shutil.disk_usage(self.directory).free
+        if size > free:
+            raise SnapshotError(
+                f"the snapshot would take {format_size(size)} but {self.directory} has "
+                f"{format_size(free)} free"
+            )
+        _write_atomically(path, header, sections)
+        return self._read_info(path)
+
+    def _make_room(self, incoming: int) -> None:
+        entries = self.entries()  # most recently used first
+        total = sum(info.size_bytes for info in entries)
+        while entries and total + incoming > self.max_bytes:
+            victim = entries.pop()
+            victim.path.unlink(missing_ok=True)
+            total -= victim.size_bytes
+        now = time.time()
+        for tmp in self._temp_files():
+            with contextlib.suppress(OSError):
+                if now - tmp.stat().st_mtime > _STALE_TEMP_S:
+                    tmp.unlink()
+
+    def _temp_files(self) -> Iterator[Path]:
+        if self.directory.is_dir():
+            yield from self.directory.glob(f".*{SUFFIX}.*.tmp")
+
+    # lookup and loading
+    def find(
+        self,
+        ids: Sequence[int],
+        model_id: str,
+        settings: dict[str, object],
+        longer_than: int = 0,
+    ) -> Lookup:
+        """The longest valid snapshot whose tokens start `ids` and hold more than
+        `longer_than` tokens, verified and mapped; warnings for every snapshot of these tokens
+        that cannot be used (the damaged ones are deleted)."""
+        warnings: list[str] = []
+        digests: dict[int, str] = {}
+        usable: list[SnapshotInfo] = []
+        for info in self.entries():
+            if info.damaged:
+                warnings.append(_discard(info, info.problem or "unreadable"))
+            if info.problem is not None:
+                continue
+            n = info.tokens
+            if n <= longer_than or n > len(ids):
+                continue
+            if n not in digests:
+                digests[n] = tokens_digest(ids[:n])
+            if digests[n] != info.header.get("tokens_sha256"):
+                continue  # a snapshot of another text
+            if info.model_id != model_id:
+                warnings.append(
+                    f"snapshot {info.id} of these {n:,} tokens was made with another model "
+                    f"({info.model_name or 'unknown'}, id {info.model_id[:12]}); ignored"
+                )
+                continue
+            differences = _differences(info.settings, settings)
+            if differences:
+                warnings.append(
+                    f"snapshot {info.id} of these {n:,} tokens was made with other cache "
+                    f"settings ({differences}); ignored"
+                )
+                continue
+            usable.append(info)
+        for info in sorted(usable, key=lambda i: i.tokens, reverse=True):
+            try:
+                loaded = _load(info)
+            except _Damaged as e:
+                warnings.append(_discard(info, str(e)))
+                continue
+            if loaded.tokens != list(ids[: info.tokens]):
+                warnings.append(_discard(info, "its token ids differ from its header's digest"))
+                continue
+            with contextlib.suppress(OSError):
+                os.utime(info.path)
+            return Lookup(loaded, tuple(warnings))
+        return Lookup(None, tuple(warnings))
+
+    def _read_info(self, path: Path) -> SnapshotInfo:
+        snap_id = path.name.removesuffix(SUFFIX)
+        try:
+            stat = path.stat()
+        except OSError as e:
+            return SnapshotInfo(snap_id, path, 0, 0.0, problem=f"cannot be read ({e})")
+        base = SnapshotInfo(snap_id, path, stat.st_size, stat.st_mtime)
+        try:
+            header = _read_header(path)
+        except _Damaged as e:
+            return replace(base, problem=str(e), damaged=not isinstance(e, _OtherFormat))
+        model = header.get("model") or {}
+        return replace(
+            base,
+            tokens=int(header.get("tokens", 0)),
+            model_id=str(model.get("id", "")),
+            model_name=str(model.get("name", "")),
+            settings=dict(header.get("settings") or {}),
+            prefill_tok_s=header.get("prefill_tok_s"),
+            created=str(header.get("created", "")),
+            header=header,
+        )
+
+
+def _discard(info: SnapshotInfo, why: str) -> str:
+    """Delete a damaged snapshot (it can never be used) and say so."""
+    info.path.unlink(missing_ok=True)
+    return f"snapshot {info.id} is damaged ({why}); deleted it"
+
+
+def _differences(saved: dict[str, object], now: dict[str, object]) -> str:
+    keys = [k for k in dict.fromkeys([*saved, *now]) if saved.get(k) != now.get(k)]
+    return ", ".join(f"{k} {_show(saved.get(k))}, now {_show(now.get(k))}" for k in keys)
+
+
+def _show(value: object) -> str:
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k}: {v}" for k, v in value.items()) + "}"
+    return "none" if value is None else str(value)
+
+
+def _snapshot_id(model_id: str, settings: dict[str, object], token_hash: str) -> str:
+    key = json.dumps([model_id, settings, token_hash], sort_keys=True).encode()
+    return hashlib.sha256(key).hexdigest()[:16]
+
+
+# -- the file ---------------------------------------------------------------------------------
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+def _layout(header: dict, sections: list[tuple[str, torch.Tensor]]) -> dict:
+    """The header with every section's offset and the file's size filled in. CRCs are written
+    as 8 hex digits whatever their value, so the header's length is final before the data."""
+    table = [
+        {
+            "name": name,
+            "dtype": str(t.dtype).removeprefix("torch."),
+            "shape": list(t.shape),
+            "offset": 0,
+            "nbytes": t.numel() * t.element_size(),
+            "crc32": "00000000",
+        }
+        for name, t in sections
+    ]
+    for entry in table:
+        if entry["dtype"] not in _DTYPES:
+            raise SnapshotError(f"section {entry['name']}: dtype {entry['dtype']} not supported")
+    header = {**header, "sections": table, "file_size": 0}
+    # The offsets depend on the header's length, which depends on the offsets' digits.
+    length = -1
+    while length != (encoded := len(_encode(header))):
+        length = encoded
+        offset = _align(_PREAMBLE.size + length)
+        for entry in table:
+            entry["offset"] = offset
+            offset = _align(offset + entry["nbytes"])
+        header["file_size"] = table[-1]["offset"] + table[-1]["nbytes"]
+    return header
+
+
+def _encode(header: dict) -> bytes:
+    return json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+
+
+def _write_atomically(path: Path, header: dict, sections: list[tuple[str, torch.Tensor]]) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.seek(header["sections"][0]["offset"])
+            for entry, (_, tensor) in zip(header["sections"], sections, strict=True):
+                f.write(b"\0" * (entry["offset"] - f.tell()))
+                crc = 0
+                for piece in _byte_pieces(tensor):
+                    f.write(piece)
+                    crc = zlib.crc32(piece, crc)
+                entry["crc32"] = f"{crc:08x}"
+            if f.tell() != header["file_size"]:
+                raise SnapshotError(f"wrote {f.tell()} bytes, expected {header['file_size']}")
+            encoded = _encode(header)
+            f.seek(0)
+            f.write(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, zlib.crc32(encoded), len(encoded)))
+            f.write(encoded)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    with contextlib.suppress(OSError):  # makes the rename durable where the OS allows it
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+
+
+def _byte_pieces(t: torch.Tensor) -> Iterator[np.ndarray]:
+    """The tensor's bytes in C order, as uint8 arrays of at most _CHUNK bytes, without copying
+    a strided tensor whole (each contiguous sub-tensor is read in place)."""
+    if t.numel() == 0:
+        return
+    if not t.is_contiguous():
+        for sub in t:
+            yield from _byte_pieces(sub)
+        return
+    data = t.detach().cpu().reshape(-1).view(torch.uint8).numpy()
+    for start in range(0, len(data), _CHUNK):
+        yield data[start : start + _CHUNK]
+
+
+def _read_header(path: Path) -> dict:
+    try:
+        with path.open("rb") as f:
+            preamble = f.read(_PREAMBLE.size)
+            if len(preamble) < _PREAMBLE.size:
+                raise _Damaged(f"truncated: {len(preamble)} bytes")
+            magic, version, crc, length = _PREAMBLE.unpack(preamble)
+            if magic != MAGIC:
+                raise _Damaged("not a kvchat snapshot (bad magic)")
+            if version != FORMAT_VERSION:
+                raise _OtherFormat(
+                    f"format {version} (another kvchat version; this one reads {FORMAT_VERSION})"
+                )
+            size = os.fstat(f.fileno()).st_size
+            if _PREAMBLE.size + length > size:
+                raise _Damaged(f"truncated: {size} bytes, the header alone needs more")
+            encoded = f.read(length)
+    except OSError as e:
+        raise _Damaged(f"cannot be read: {e}") from e
+    if zlib.crc32(encoded) != crc:
+        raise _Damaged("the header fails its checksum")
+    try:
+        header = json.loads(encoded)
+    except ValueError as e:
+        raise _Damaged(f"unreadable header: {e}") from e
+    if not isinstance(header, dict) or not isinstance(header.get("sections"), list):
+        raise _Damaged("unreadable header: no section table")
+    expected = header.get("file_size")
+    if not isinstance(expected, int):
+        raise _Damaged("unreadable header: no file size")
+    if expected != size:
+        what = "truncated" if size < expected else "wrong size"
+        raise _Damaged(f"{what}: {size:,} bytes, the header says {expected:,}")
+    return header
+
+
+def _load(info: SnapshotInfo) -> LoadedSnapshot:
+    """Map the file, check every section's checksum, and view the sections as tensors."""
+    header = _read_header(info.path)
+    size = header["file_size"]
+    raw = torch.from_file(str(info.path), shared=False, size=size, dtype=torch.uint8)
+    tensors: dict[str, torch.Tensor] = {}
+    for entry in header["sections"]:
+        name, dtype = entry["name"], _DTYPES.get(entry["dtype"])
+        offset, nbytes = entry["offset"], entry["nbytes"]
+        if dtype is None or offset % ALIGN or offset + nbytes > size:
+            raise _Damaged(f"section {name}: bad table entry")
+        data = raw[offset : offset + nbytes]
+        crc = 0
+        array = data.numpy()
+        for start in range(0, nbytes, _CHUNK):
+            crc = zlib.crc32(array[start : start + _CHUNK], crc)
+        if f"{crc:08x}" != entry["crc32"]:
+            raise _Damaged(f"section {name} fails its checksum")
+        shape = entry["shape"]
+        if int(np.prod(shape)) * dtype.itemsize != nbytes:
+            raise _Damaged(f"section {name}: shape {shape} does not match {nbytes} bytes")
+        tensors[name] = data.view(dtype).view(shape)
+    tokens, logits = tensors.pop("tokens", None), tensors.pop("logits", None)
+    if tokens is None or logits is None or len(tokens) != info.tokens:
+        raise _Damaged("no token or logit section")
+    scalars = header.get("scalars")
+    if not isinstance(scalars, dict):
+        raise _Damaged("no cache scalars")
+    cache = {name.removeprefix("cache."): t for name, t in tensors.items()}
+    return LoadedSnapshot(info, tokens.tolist(), logits, CacheState(dict(scalars), cache))
