@@ -34,6 +34,14 @@ class DeviceBlockCache:
             if len(lru) > self.slots_per_layer:
                 lru.popitem(last=False)
 
+    def resize(self, slots_per_layer: int) -> None:
+        """Change the slots per layer, dropping the least recently used blocks that no
+        longer fit."""
+        self.slots_per_layer = slots_per_layer
+        for lru in self._lru:
+            while len(lru) > slots_per_layer:
+                lru.popitem(last=False)
+
     def invalidate(self) -> None:
         """Forget every resident block (the store was rewritten below them)."""
         for lru in self._lru:

@@ -295,6 +295,12 @@ class BlockPool:
     def nbytes(self) -> int:
         return self.n_slots * self.bytes_per_slot
 
+    @property
+    def storage(self) -> torch.Tensor:
+        """The slots as stored, for kernels and copies that work on rows: [n_slots, block_size,
+        head_dim] in `dtype` (FP16) or uint8 [n_slots, bytes_per_slot] rows (INT8 / INT4)."""
+        return self._data
+
     def write(self, slots: torch.Tensor, blocks: torch.Tensor) -> None:
         """Store blocks [n, block_size, head_dim] (any float dtype, any device) at slots [n]."""
         shape = (self.block_size, self.head_dim)

@@ -57,15 +57,27 @@ def small_settings(**changes) -> LongContextSettings:
     return replace(base, **changes)
 
 
-def dense_cache(model: Transformer, max_tokens: int = 4096) -> DenseBackend:
+def dense_cache(
+    model: Transformer, max_tokens: int = 4096, ops_backend: str | None = None
+) -> DenseBackend:
     c = model.cfg
     return DenseBackend(
-        c.num_layers, c.num_kv_heads, c.head_dim, model.rope, model.dtype, "cpu", max_tokens
+        c.num_layers,
+        c.num_kv_heads,
+        c.head_dim,
+        model.rope,
+        model.dtype,
+        "cpu",
+        max_tokens,
+        ops_backend,
     )
 
 
 def sparse_cache(
-    model: Transformer, settings: LongContextSettings, position_mode: str = "native"
+    model: Transformer,
+    settings: LongContextSettings,
+    position_mode: str = "native",
+    ops_backend: str | None = None,
 ) -> SparseBackend:
     c = model.cfg
     return SparseBackend(
@@ -80,6 +92,7 @@ def sparse_cache(
         position_mode,
         settings.max_seq_len,
         c.trained_context,
+        ops_backend,
     )
 
 
