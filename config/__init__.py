@@ -4,12 +4,16 @@ validate / save of the user's file ($KVCHAT_HOME/config.yaml, default ~/.kvchat)
 from .errors import ConfigError
 from .overrides import apply_overrides
 from .schema import (
+    CacheSettings,
     FieldSpec,
     GenerationSettings,
+    KeySettings,
     LongContextSettings,
     ModelSettings,
     Settings,
     UISettings,
+    changed_keys,
+    replace_key,
     schema_fields,
 )
 from .store import (
@@ -17,24 +21,30 @@ from .store import (
     default_config_path,
     kvchat_home,
     load_settings,
+    save_changes,
     save_settings,
 )
 from .validate import validate_settings
 from .yamltext import settings_to_yaml
 
 __all__ = [
+    "CacheSettings",
     "ConfigError",
     "FieldSpec",
     "GenerationSettings",
+    "KeySettings",
     "LoadedSettings",
     "LongContextSettings",
     "ModelSettings",
     "Settings",
     "UISettings",
     "apply_overrides",
+    "changed_keys",
     "default_config_path",
     "kvchat_home",
     "load_settings",
+    "replace_key",
+    "save_changes",
     "save_settings",
     "schema_fields",
     "settings_to_yaml",

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import yaml
 
 from .errors import ConfigError
-from .schema import FieldSpec, Settings, schema_fields, sections
+from .schema import FieldSpec, Settings, replace_key, schema_fields, sections
 from .validate import Invalid, check_rules, coerce, did_you_mean, fail
 from .yamltext import parse
 
@@ -48,8 +47,7 @@ def apply_overrides(settings: Settings, overrides: Sequence[str]) -> Settings:
             value = coerce(spec, key, value)
         except Invalid as exc:
             fail(source, [exc.problem])
-        section = dataclasses.replace(getattr(settings, section_name), **{spec.name: value})
-        settings = dataclasses.replace(settings, **{section_name: section})
+        settings = replace_key(settings, key, value)
     if overrides:
         # Each value was fine alone; a broken cross-field rule is caused by the overrides
         # together, since the settings they started from were already valid.

@@ -16,7 +16,7 @@ import yaml
 
 from .errors import ConfigError
 from .overrides import apply_overrides
-from .schema import Settings, schema_fields, sections
+from .schema import Settings, changed_keys, replace_key, schema_fields, sections
 from .validate import Problem, build_settings, did_you_mean, fail, kind, validate_settings
 from .yamltext import edit_values, parse, settings_to_yaml
 
@@ -133,6 +133,20 @@ def save_settings(settings: Settings, path: Path) -> None:
         with contextlib.suppress(UnicodeDecodeError):
             text = edit_values(path.read_text(encoding="utf-8"), settings)
     atomic_write_text(path, text or settings_to_yaml(settings))
+
+
+def save_changes(path: Path, old: Settings, new: Settings) -> None:
+    """Write the keys that differ between `old` and `new` into the file at `path`.
+
+    The file's other values stay as they are, so values this run took from `--set`
+    overrides (in `old` and `new` alike) are not written. Raises ConfigError when the
+    file with the changes breaks a rule; the file is then left untouched.
+    """
+    settings = load_settings(path).settings
+    for key in changed_keys(old, new):
+        section_name, name = key.split(".")
+        settings = replace_key(settings, key, getattr(getattr(new, section_name), name))
+    save_settings(settings, path)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -154,13 +154,55 @@ def fail(source: str, problems: Sequence[Problem]) -> NoReturn:
     raise ConfigError(f"{source}: {len(problems)} invalid settings:\n{lines}")
 
 
-def check_rules(settings: Settings, source: str) -> None:
-    """The cross-field rules; call only on settings whose single values are valid."""
-    problems = [
+# Keys the app does not let the `keys` section take: the prompt's and Textual's own.
+RESERVED_KEYS = {
+    "enter": "sends the prompt",
+    "shift+enter": "starts a new line in the prompt",
+    "ctrl+j": "starts a new line in the prompt",
+    "tab": "moves the focus",
+    "shift+tab": "moves the focus",
+    "ctrl+p": "opens the command palette",
+    "ctrl+q": "quits",
+    "ctrl+c": "copies the selected text",
+}
+
+
+def _key_problems(settings: Settings) -> list[Problem]:
+    """Each action's keys are names without blanks, not reserved, not bound to another action."""
+    problems = []
+    owner: dict[str, str] = {}
+    for spec in schema_fields(type(settings.keys)):
+        key = f"keys.{spec.name}"
+        value = getattr(settings.keys, spec.name)
+        names = [name.strip() for name in value.split(",")]
+        if not all(names) or any(char.isspace() for name in names for char in name):
+            expected = "a key name such as ctrl+o or f2, or several separated by commas"
+            problems.append(Problem(key, value, expected))
+            continue
+        for name in names:
+            if name in RESERVED_KEYS:
+                expected = f"a key other than {name}, which {RESERVED_KEYS[name]}"
+            elif name in owner:
+                expected = f"a key no other action has ({name} is keys.{owner[name]})"
+            else:
+                owner[name] = spec.name
+                continue
+            problems.append(Problem(key, value, expected))
+    return problems
+
+
+def rule_problems(settings: Settings) -> list[Problem]:
+    """What breaks the cross-field rules; call only on settings whose single values are valid."""
+    return [
         Problem(rule.key, _get(settings, rule.key), rule.expected(settings))
         for rule in _RULES
         if not rule.holds(settings)
-    ]
+    ] + _key_problems(settings)
+
+
+def check_rules(settings: Settings, source: str) -> None:
+    """Raise ConfigError, naming `source`, if a cross-field rule is broken."""
+    problems = rule_problems(settings)
     if problems:
         fail(source, problems)
 

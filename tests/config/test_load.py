@@ -143,8 +143,8 @@ def test_top_level_must_be_a_mapping(write_config, text, got):
     with pytest.raises(ConfigError) as exc:
         load_settings()
     assert str(exc.value) == (
-        f"{path}: expected a mapping with the sections model, generation, long_context, ui "
-        f"at the top level (got {got})"
+        f"{path}: expected a mapping with the sections model, generation, long_context, ui, keys, "
+        f"cache at the top level (got {got})"
     )
 
 

@@ -13,6 +13,7 @@ from kvchat.config import (
     ConfigError,
     Settings,
     load_settings,
+    save_changes,
     save_settings,
     settings_to_yaml,
 )
@@ -181,3 +182,32 @@ def test_a_users_nested_mapping_is_not_mistaken_for_settings(write_config):
     saved = path.read_text(encoding="utf-8")
     assert saved.startswith(text.replace("  kv_type: FP16", "  kv_type: INT8"))
     assert load_settings().settings == changed
+
+
+def test_save_changes_writes_only_what_changed(home):
+    path = load_settings().path
+    path.write_text(default_yaml().replace("  seed: 0", "  seed: 7  # mine"), encoding="utf-8")
+    # This run's settings carry a --set override the file must not receive.
+    old = load_settings(overrides=["generation.max_new_tokens=8"]).settings
+    new = dataclasses.replace(
+        old, long_context=dataclasses.replace(old.long_context, second_select_num=8)
+    )
+    save_changes(path, old, new)
+    assert path.read_text(encoding="utf-8") == default_yaml().replace(
+        "  seed: 0", "  seed: 7  # mine"
+    ).replace("  second_select_num: 32", "  second_select_num: 8")
+
+
+def test_save_changes_refuses_a_file_the_change_breaks(home):
+    path = load_settings().path
+    small = default_yaml().replace("  max_seq_len: 131072", "  max_seq_len: 2048")
+    path.write_text(small.replace("  chunk_size: 4096", "  chunk_size: 1024"))
+    before = path.read_bytes()
+    # The run raised max_seq_len by --set; a larger chunk_size fits the run, not the file.
+    old = load_settings(overrides=["long_context.max_seq_len=8192"]).settings
+    new = dataclasses.replace(
+        old, long_context=dataclasses.replace(old.long_context, chunk_size=4096)
+    )
+    with pytest.raises(ConfigError, match=r"chunk_size = 4096: expected at most .*\(2048\)"):
+        save_changes(path, old, new)
+    assert path.read_bytes() == before

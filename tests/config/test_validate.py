@@ -260,3 +260,59 @@ def test_validate_settings_checks_settings_built_in_code():
 
 def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("lines", "message"),
+    [
+        (
+            "stop: ctrl+o",
+            'keys.stop = "ctrl+o": expected a key no other action has (ctrl+o is keys.load_file)',
+        ),
+        (
+            "help: f5, f2",
+            'keys.help = "f5, f2": expected a key no other action has (f2 is keys.toggle_panels)',
+        ),
+        (
+            "settings: ctrl+p",
+            'keys.settings = "ctrl+p": expected a key other than ctrl+p, which '
+            "opens the command palette",
+        ),
+        (
+            'stop: ""',
+            'keys.stop = "": expected a key name such as ctrl+o or f2, or several '
+            "separated by commas",
+        ),
+        (
+            "stop: escape,",
+            'keys.stop = "escape,": expected a key name such as ctrl+o or f2, or '
+            "several separated by commas",
+        ),
+        (
+            "stop: ctrl x",
+            'keys.stop = "ctrl x": expected a key name such as ctrl+o or f2, or '
+            "several separated by commas",
+        ),
+    ],
+    ids=["taken", "taken-in-a-list", "reserved", "empty", "empty-in-a-list", "blank"],
+)
+def test_key_bindings_are_checked(write_config, lines, message):
+    path = write_config(f"keys:\n  {lines}\n")
+    with pytest.raises(ConfigError) as exc:
+        load_settings()
+    assert str(exc.value) == f"{path}: {message}"
+
+
+def test_key_bindings_may_swap_and_list_several_keys(write_config):
+    write_config("keys:\n  stop: f2, ctrl+x\n  toggle_panels: escape\n")
+    keys = load_settings().settings.keys
+    assert (keys.stop, keys.toggle_panels, keys.load_file) == ("f2, ctrl+x", "escape", "ctrl+o")
+
+
+def test_an_unknown_action_is_a_warning(write_config):
+    path = write_config("keys:\n  lod_file: ctrl+k\n")
+    loaded = load_settings()
+    assert loaded.warnings == [
+        f"{path}: unknown key keys.lod_file ignored (did you mean load_file?)"
+    ]
+    assert loaded.settings.keys == Settings().keys
