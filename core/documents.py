@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ class Document:
     path: Path
     text: str
     size_bytes: int
+    sha256: str  # of the bytes: tells whether the file changed since it was read
 
     @property
     def name(self) -> str:
@@ -42,4 +44,9 @@ def read_document(path: str | Path) -> Document:
         raise DocumentError(
             f"{p}: is not UTF-8 text (invalid byte 0x{data[e.start]:02x} at offset {e.start})"
         ) from e
-    return Document(path=p, text=text.removeprefix("\ufeff"), size_bytes=len(data))
+    return Document(
+        path=p,
+        text=text.removeprefix("\ufeff"),
+        size_bytes=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+    )

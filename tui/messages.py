@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from textual.message import Message
 
 from kvchat.core.engine import Engine
+from kvchat.core.history import SavedConversation
 
 
 class ModelLoaded(Message):
@@ -35,6 +36,8 @@ class DocumentInfo:
     size_bytes: int
     tokens: int
     head: str  # the first few lines, cut short
+    path: str = ""  # absolute; with sha256, what a saved conversation reloads on resume
+    sha256: str = ""
 
 
 class DocumentLoaded(Message):
@@ -43,6 +46,24 @@ class DocumentLoaded(Message):
     def __init__(self, info: DocumentInfo) -> None:
         super().__init__()
         self.info = info
+
+
+class ConversationResumed(Message):
+    """A saved conversation replaced the session; `info` is its document, reloaded, or None
+    when it has none or `problem` says why it could not be reloaded."""
+
+    def __init__(self, saved: SavedConversation, info: DocumentInfo | None, problem: str) -> None:
+        super().__init__()
+        self.saved, self.info, self.problem = saved, info, problem
+
+
+class Notice(Message):
+    """A line for the user from a worker step, shown as a notification (e.g. a snapshot that
+    could not be used)."""
+
+    def __init__(self, text: str, title: str = "", severity: str = "information") -> None:
+        super().__init__()
+        self.text, self.title, self.severity = text, title, severity
 
 
 class ReplyPiece(Message):

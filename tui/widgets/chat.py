@@ -65,6 +65,13 @@ class ChatPane(VerticalScroll):
         await self.add(reply)
         return reply
 
+    async def add_saved_reply(self, text: str, stopped: bool) -> Reply:
+        """A reply already finished, e.g. one of a resumed conversation."""
+        reply = await self.add_reply()
+        reply.text = text
+        await reply.finish(stopped)
+        return reply
+
     async def add_document_card(self, info: DocumentInfo) -> ChatMessage:
         return await self.add(ChatMessage(document_card(info), "document"))
 
