@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
@@ -29,30 +30,55 @@ def _prompt_ids(engine: Engine, n_tokens: int) -> list[int]:
     return engine.tokenizer.encode(text)[:n_tokens]
 
 
-def _bench_ours(engine: Engine, ids: list[int], decode_tokens: int) -> dict[str, float]:
-    engine.new_session()  # let go of the previous cache before measuring memory
+def memory_copy_rate(n_bytes: int = 512 * 1024**2, repeats: int = 5) -> float:
+    """Bytes per second moved (read + written) by a large tensor copy: the bandwidth a
+    memory-bound decode step can hope for on this machine, measured in the same run."""
+    src = torch.ones(n_bytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # first touch of the pages
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - started)
+    return 2 * n_bytes / best
+
+
+def _bench_ours(
+    engine: Engine, ids: list[int], decode_tokens: int, copy_rate: float
+) -> dict[str, float]:
     session = engine.new_session()
     started = time.perf_counter()
     logits = session.extend(ids)
     prefill_s = time.perf_counter() - started
     token = int(logits.argmax())
+    read_bytes = 0
     started = time.perf_counter()
     with torch.inference_mode():
         for _ in range(decode_tokens):
+            read_bytes += session.cache.decode_read_bytes() + engine.model.decode_read_bytes
             token = int(engine.model.forward(torch.tensor([token]), session.cache)[-1].argmax())
     decode_s = time.perf_counter() - started
     plan = engine.plan(len(ids) + decode_tokens)
-    return {
+    result = {
         "prefill_tok_s": len(ids) / prefill_s,
         "decode_tok_s": decode_tokens / decode_s,
         "prefill_s": prefill_s,
         "decode_s": decode_s,
+        # The decode roofline: bytes a step must read (weights + the KV and anchors it
+        # touches) at the measured copy rate, against the time it took.
+        "decode_bytes_per_token": read_bytes / decode_tokens,
+        "decode_roofline_fraction": read_bytes / decode_s / copy_rate,
         "attention": session.cache.name,
         "position_mode": session.cache.position_mode,
-        # Whole-process RSS (interpreter and libraries included) against the plan's total.
+        # Whole-process RSS (interpreter and libraries included) against the plan's total;
+        # the peak is the process's so far, which is this context's when contexts ascend.
         "rss_bytes": psutil.Process().memory_info().rss,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "plan_total_bytes": plan.total_bytes,
     }
+    session.drop_cache()  # the next context's memory is measured without this one
+    return result
 
 
 def _load_transformers(spec: str):
@@ -117,19 +143,24 @@ def run_speed_bench(
         replace(settings, long_context=replace(settings.long_context, attention="dense"))
     )
     hf = _load_transformers(model_spec or settings.model.path) if with_transformers else None
+    copy_rate = memory_copy_rate()
+    log(f"memory copy rate {copy_rate / 1e9:.1f} GB/s (read + write), the decode roofline")
     rows = []
     for n in contexts:
         ids = _prompt_ids(engine, n)
-        ours = _bench_ours(engine, ids, decode_tokens)
+        ours = _bench_ours(engine, ids, decode_tokens, copy_rate)
         row: dict = {"context": n, "kvchat": ours}
         line = (
             f"{n:>7} tokens  kvchat prefill {ours['prefill_tok_s']:7.1f} tok/s  "
-            f"decode {ours['decode_tok_s']:6.1f} tok/s"
+            f"decode {ours['decode_tok_s']:6.1f} tok/s "
+            f"({ours['decode_bytes_per_token'] / 1e6:.0f} MB/token, "
+            f"{ours['decode_roofline_fraction']:.0%} of roofline)"
         )
         if hf is not None:
             line += _compare(row, "transformers", ours, _bench_transformers(hf, ids, decode_tokens))
         if n in compare_dense and engine.settings.long_context.attention != "dense":
-            line += _compare(row, "dense", ours, _bench_ours(dense, ids, decode_tokens))
+            theirs = _bench_ours(dense, ids, decode_tokens, copy_rate)
+            line += _compare(row, "dense", ours, theirs)
         log(line)
         rows.append(row)
     stats = engine.stats()
@@ -143,6 +174,8 @@ def run_speed_bench(
         "threads": stats.threads,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "torch": torch.__version__,
+        "memory_copy_bytes_per_s": copy_rate,
+        "weights_read_bytes_per_token": engine.model.decode_read_bytes,
         "decode_tokens": decode_tokens,
         "results": rows,
     }

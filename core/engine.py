@@ -6,31 +6,70 @@ called from any thread at any time and returns an immutable snapshot.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import psutil
 import torch
 
-from kvchat.config import GenerationSettings, Settings
+from kvchat.config import GenerationSettings, LongContextSettings, Settings, changed_keys
 from kvchat.kv.backend import AttentionBackend, CacheStats
 from kvchat.kv.dense import DenseBackend
-from kvchat.kv.sparse import SparseBackend
+from kvchat.kv.sparse import RETUNABLE, SparseBackend
+from kvchat.kv.state import StateMismatchError
 
 from .cancel import Cancelled
 from .conversation import Conversation
 from .device import configure_threads, resolve_device, resolve_dtype
+from .memory import process_rss, release_freed_memory
 from .model import Transformer
 from .model_config import ModelConfig
 from .plan import MemoryPlan, PlanRefusedError, plan_memory
 from .sampling import sample_next
+from .snapshot import (
+    PrefillReport,
+    SnapshotError,
+    SnapshotInfo,
+    SnapshotStore,
+    cache_settings,
+    model_identity,
+    snapshot_dir,
+)
 from .tokenizer import Tokenizer, load_tokenizer
 from .weights import load_weights, resolve_model_path
 
 ProgressFn = Callable[[int, int], None]
+EFFECTS = ("live", "cache", "reload")
+
+
+def setting_effect(key: str) -> str:
+    """When a changed `section.key` takes effect: "live" (from the next token on), "cache"
+    (with a new KV cache, i.e. once the context is prefilled again) or "reload" (once the
+    model is loaded again)."""
+    section, name = key.split(".")
+    if section == "model" or key == "long_context.threads_num":
+        return "reload"
+    if section == "long_context" and name not in RETUNABLE:
+        return "cache"
+    return "live"
+
+
+def _cache_shape(lc: LongContextSettings) -> dict[str, object]:
+    """The values a built cache cannot change."""
+    return {k: v for k, v in asdict(lc).items() if setting_effect(f"long_context.{k}") == "cache"}
+
+
+@dataclass(frozen=True)
+class ApplyResult:
+    """The changed keys of `Engine.apply_settings`, by `setting_effect`."""
+
+    live: tuple[str, ...]
+    cache: tuple[str, ...]
+    reload: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -68,9 +107,11 @@ class Session:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self._cache: AttentionBackend | None = None
+        self._built_with: LongContextSettings | None = None  # the settings of _cache
         self.tokens: list[int] = []
         self.conversation = Conversation()
         self._logits: torch.Tensor | None = None  # logits after the last cached token
+        self.last_prefill = PrefillReport()  # what the last sync computed, loaded, warned
 
     @property
     def logits(self) -> torch.Tensor | None:
@@ -80,8 +121,35 @@ class Session:
     @property
     def cache(self) -> AttentionBackend:
         if self._cache is None:
-            self._cache = self.engine.new_cache(0)
+            self._new_cache(0)
+        assert self._cache is not None
         return self._cache
+
+    @property
+    def stale(self) -> bool:
+        """The cache was built with cache-shaping settings that have changed since; the next
+        prepare() (every question makes one) or rebuild() replaces it."""
+        built, now = self._built_with, self.engine.settings.long_context
+        return built is not None and _cache_shape(built) != _cache_shape(now)
+
+    def _new_cache(self, planned_tokens: int) -> None:
+        self.drop_cache()
+        self._cache = self.engine.new_cache(planned_tokens)
+        self._built_with = self.engine.settings.long_context
+        self.tokens = []
+        self._logits = None
+
+    def drop_cache(self) -> None:
+        """Let go of the cache and give its memory back to the OS before anything new is
+        allocated: freed blocks otherwise stay in the allocator's arenas, and the process
+        would outgrow the memory plan of the next cache."""
+        if self._cache is None:
+            return
+        self._cache = None
+        self.tokens = []
+        self._logits = None
+        gc.collect()
+        release_freed_memory()
 
     def cache_stats(self) -> CacheStats:
         """The cache's snapshot; an empty one before the first prefill (creates nothing, so
@@ -100,11 +168,27 @@ class Session:
         next sync then prefills everything again.
         """
         wanted = self.engine.position_mode_for(planned_tokens)
-        if self._cache is not None and self._cache.position_mode == wanted:
+        if self._cache is not None and self._cache.position_mode == wanted and not self.stale:
             return
-        self._cache = self.engine.new_cache(planned_tokens)
-        self.tokens = []
-        self._logits = None
+        self._new_cache(planned_tokens)
+
+    def rebuild(
+        self, on_progress: ProgressFn | None = None, cancel: threading.Event | None = None
+    ) -> int:
+        """Prefill the cached tokens again into a new cache made with the current settings;
+        returns how many. Refused before anything changes when they no longer fit."""
+        tokens = list(self.tokens)
+        max_new = self.engine.settings.generation.max_new_tokens
+        self.engine.check_fits(len(tokens), max_new)
+        self._new_cache(len(tokens) + max_new)
+        if tokens:
+            self.extend(tokens, on_progress, cancel)
+        return len(tokens)
+
+    def retune(self) -> None:
+        """Hand the engine's retunable long_context values to the cache built already."""
+        if isinstance(self._cache, SparseBackend):
+            self._cache.retune(self.engine.settings.long_context)
 
     def extend(
         self,
@@ -158,12 +242,93 @@ class Session:
         while common < limit and ids[common] == self.tokens[common]:
             common += 1
         if common == len(ids) == len(self.tokens) and self._logits is not None:
+            self.last_prefill = PrefillReport()
             return 0
+        report = self.last_prefill = self._restore_snapshot(ids, common)
+        # A snapshot replaces the cache; a failed attempt leaves it empty.
+        common = len(self.tokens) if report.restored else min(common, len(self.tokens))
+        if report.restored is not None and common == len(ids):
+            return 0  # the snapshot holds every token, and their last logits
         # The logits of the last prompt token are needed, so at least it is recomputed.
         common = min(common, len(ids) - 1)
         self.truncate(common)
         self.extend(ids[common:], on_progress, cancel)
+        self.last_prefill = replace(report, prefilled=len(ids) - common)
         return len(ids) - common
+
+    def _restore_snapshot(self, ids: Sequence[int], cached: int) -> PrefillReport:
+        """Load the longest usable snapshot of a prefix of `ids` into the cache, when it would
+        spare a prefill of cache.snapshot_min_tokens or more beyond the `cached` tokens."""
+        engine = self.engine
+        store = engine.snapshots
+        if store is None or len(ids) - cached < engine.settings.cache.snapshot_min_tokens:
+            return PrefillReport()
+        planned = len(ids) + engine.settings.generation.max_new_tokens
+        if self._cache is None or self.stale:
+            self.prepare(planned)
+        started = time.perf_counter()
+        settings = engine.snapshot_settings(self.cache.position_mode)
+        cached = min(cached, len(self.tokens))  # prepare() may have replaced the cache
+        lookup = store.find(ids, engine.model_id, settings, longer_than=cached)
+        found = lookup.snapshot
+        if found is None:
+            return PrefillReport(warnings=lookup.warnings)
+        try:
+            self.cache.load_state(found.state)
+        except StateMismatchError as e:
+            self._new_cache(planned)
+            why = f"snapshot {found.info.id} does not fit this cache ({e}); ignored"
+            return PrefillReport(warnings=(*lookup.warnings, why))
+        self.tokens, self._logits = list(found.tokens), found.logits.clone()
+        return PrefillReport(
+            restored=found.info,
+            restore_seconds=time.perf_counter() - started,
+            warnings=lookup.warnings,
+        )
+
+    def save_snapshot(self) -> SnapshotInfo:
+        """Write the cache, its tokens and the last logits to the snapshot folder (an
+        identical snapshot already there is only marked as used)."""
+        engine = self.engine
+        store = engine.snapshots
+        if store is None:
+            raise SnapshotError("snapshots are off (cache.snapshots is false)")
+        if not self.tokens or self._logits is None:
+            raise SnapshotError("nothing to save: no prefilled tokens")
+        rate = engine.stats().prefill_tok_s
+        with torch.inference_mode():
+            return store.save(
+                self.cache.export_state(),
+                self.tokens,
+                self._logits,
+                engine.model_id,
+                engine.config.name or engine.source.name,
+                engine.snapshot_settings(self.cache.position_mode),
+                rate or None,
+            )
+
+    def prefill_document(
+        self,
+        ids: Sequence[int],
+        on_progress: ProgressFn | None = None,
+        cancel: threading.Event | None = None,
+        planned_tokens: int | None = None,
+    ) -> PrefillReport:
+        """Prefill a document prefix so that questions only prefill themselves: loaded from a
+        snapshot when one holds it, and saved as one (cache settings) after a prefill of at
+        least cache.snapshot_min_tokens tokens."""
+        engine = self.engine
+        self.prepare(planned_tokens or len(ids) + engine.settings.generation.max_new_tokens)
+        self.sync(ids, on_progress, cancel)
+        report = self.last_prefill
+        if engine.snapshots is None or report.prefilled < engine.settings.cache.snapshot_min_tokens:
+            return report
+        try:
+            report = replace(report, saved=self.save_snapshot())
+        except (SnapshotError, OSError) as e:
+            report = replace(report, warnings=(*report.warnings, f"snapshot not saved: {e}"))
+        self.last_prefill = report
+        return report
 
     def truncate(self, n_tokens: int) -> None:
         if n_tokens < len(self.tokens):
@@ -259,6 +424,10 @@ class Engine:
         self._decode = (0, 0.0)
         self._ttft: float | None = None
         self._turn_started = 0.0
+        self.snapshot_dir = snapshot_dir()
+        # The process's memory besides weights and cache (interpreter, libraries, tokenizer),
+        # which a plan must count too; measured once the model is loaded.
+        self.runtime_bytes = max(process_rss() - model.nbytes, 0)
         self.session = Session(self)
 
     @classmethod
@@ -275,19 +444,46 @@ class Engine:
         # Packed int4 keeps the file's exact 4-bit weights; its kernel wants bf16 activations.
         weight_format = "int4" if dtype == torch.bfloat16 and device.type == "cpu" else "dense"
         model = Transformer(weights, dtype=dtype, device=device, weight_format=weight_format)
+        del weights  # the loader's fp32 copies; the model holds its own format
+        gc.collect()
+        release_freed_memory()
         tokenizer = load_tokenizer(source)
         return cls(settings, model, tokenizer, source, threads, weight_format)
 
     def with_settings(self, settings: Settings) -> Engine:
         """Another Engine over the same loaded weights and tokenizer, with other settings
         (e.g. another cache type), for comparisons in one process."""
-        return Engine(
+        engine = Engine(
             settings, self.model, self.tokenizer, self.source, self.threads, self.weight_format
         )
+        engine.snapshot_dir = self.snapshot_dir
+        engine.runtime_bytes = self.runtime_bytes
+        return engine
 
     @property
     def config(self) -> ModelConfig:
         return self.model.cfg
+
+    @property
+    def snapshots(self) -> SnapshotStore | None:
+        """The snapshot folder under the current cache settings; None when they are off."""
+        c = self.settings.cache
+        return (
+            SnapshotStore(self.snapshot_dir, int(c.snapshot_max_gib * 2**30))
+            if c.snapshots
+            else None
+        )
+
+    @property
+    def model_id(self) -> str:
+        """What snapshots know the model by (core/snapshot.py model_identity)."""
+        return model_identity(self.source)
+
+    def snapshot_settings(self, position_mode: str) -> dict[str, object]:
+        """The settings a snapshot of a cache in `position_mode` must share with its user."""
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        lc = self.settings.long_context
+        return cache_settings(lc, position_mode, dtype, self.weight_format, self.config)
 
     def position_mode_for(self, planned_tokens: int) -> str:
         """`native` while the context fits what the model was trained on, else `extrapolate`."""
@@ -328,12 +524,27 @@ class Engine:
 
     def new_session(self) -> Session:
         """Drop the current conversation and its cache and start an empty one."""
+        self.session.drop_cache()
         self.session = Session(self)
         return self.session
 
-    def update_settings(self, settings: Settings) -> None:
-        """Apply settings that need no new cache (generation parameters)."""
-        self.settings = replace(self.settings, generation=settings.generation)
+    def apply_settings(self, settings: Settings) -> ApplyResult:
+        """Take the values of `settings`, except those of the loaded model.
+
+        Live values act from the next token on. Cache-shaping ones make the session's cache
+        stale: it is replaced, and the context prefilled again, by Session.rebuild() or the
+        next question. threads_num keeps its value until the model is loaded again. The
+        model section is not read (this engine's names the model it loaded, which --model
+        may have chosen), so its keys are not in the result.
+        """
+        old = self.settings
+        changed = [key for key in changed_keys(old, settings) if not key.startswith("model.")]
+        lc = replace(settings.long_context, threads_num=old.long_context.threads_num)
+        self.settings = replace(settings, model=old.model, long_context=lc)
+        self.session.retune()
+        return ApplyResult(
+            *(tuple(key for key in changed if setting_effect(key) == e) for e in EFFECTS)
+        )
 
     def plan(self, n_tokens: int) -> MemoryPlan:
         """Memory a context of n_tokens needs with the current settings, against what is free."""
@@ -346,6 +557,7 @@ class Engine:
             self.model.nbytes,
             psutil.virtual_memory().available,
             held.kv_bytes + held.anchor_bytes + held.resident_bytes,
+            self.runtime_bytes,
         )
 
     def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:

@@ -101,7 +101,8 @@ class Transformer:
         self.embed = tensor("model.embed_tokens.weight", (cfg.vocab_size, h)).to(dtype)
         self.norm = vec("model.norm.weight", h)
         self.lm_head: Linear
-        # A tied head on the CPU shares the embedding table instead of holding a second copy.
+        # A tied head on the CPU shares the embedding table instead of holding a second copy
+        # (in bf16 it also holds a prepacked copy, which is counted in nbytes).
         self._head_is_embed = cfg.tie_word_embeddings and self.device.type == "cpu"
         if self._head_is_embed:
             self.lm_head = DenseLinear(self.embed, None)
@@ -121,8 +122,22 @@ class Transformer:
         return (
             sum(m.nbytes for m in linears)
             + sum(v.numel() * v.element_size() for v in [*vectors, self.norm, self.embed])
-            + (0 if self._head_is_embed else self.lm_head.nbytes)
+            + self.lm_head.nbytes
+            - (self.embed.numel() * self.embed.element_size() if self._head_is_embed else 0)
         )
+
+    @property
+    def decode_read_bytes(self) -> int:
+        """Bytes of weights one decode step reads: every matrix and norm, one embedding row."""
+        matrices = sum(
+            m.read_bytes
+            for layer in self.layers
+            for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        )
+        norms = len(self.layers) * 2 * self.cfg.hidden_size * self.dtype.itemsize
+        row = self.embed.shape[1] * self.embed.element_size()
+        head = self.lm_head.read_bytes + self.norm.numel() * self.norm.element_size()
+        return matrices + norms + row + head
 
     @torch.inference_mode()
     def forward(

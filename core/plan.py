@@ -42,6 +42,7 @@ class MemoryPlan:
     activation_bytes: int  # transient tensors of one prefill chunk, runtime scratch
     available_bytes: int  # host memory available now
     allocated_bytes: int = 0  # already held by the current cache
+    runtime_bytes: int = 0  # the process besides weights and cache: interpreter, libraries
 
     @property
     def cache_bytes(self) -> int:
@@ -49,7 +50,8 @@ class MemoryPlan:
 
     @property
     def total_bytes(self) -> int:
-        return self.weights_bytes + self.cache_bytes + self.activation_bytes
+        """The whole process's memory at this context size (what its RSS should stay under)."""
+        return self.runtime_bytes + self.weights_bytes + self.cache_bytes + self.activation_bytes
 
     @property
     def needed_bytes(self) -> int:
@@ -81,6 +83,7 @@ def plan_memory(
     weights_bytes: int,
     available_bytes: int,
     allocated_bytes: int = 0,
+    runtime_bytes: int = 0,
 ) -> MemoryPlan:
     layers, kv_heads, dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     qkv = (cfg.num_heads + 2 * kv_heads) * dim
@@ -100,6 +103,7 @@ def plan_memory(
             activation,
             available_bytes,
             allocated_bytes,
+            runtime_bytes,
         )
     blocks = -(-n_tokens // lc.block_size)
     per_block = lc.block_size * bytes_per_token(dim, lc.kv_type, itemsize)
@@ -123,15 +127,23 @@ def plan_memory(
         activation,
         available_bytes,
         allocated_bytes,
+        runtime_bytes,
     )
 
 
-def plan_table(cfg: ModelConfig, lc: LongContextSettings, itemsize: int, weights_bytes: int) -> str:
+def plan_table(
+    cfg: ModelConfig,
+    lc: LongContextSettings,
+    itemsize: int,
+    weights_bytes: int,
+    runtime_bytes: int = 0,
+) -> str:
     """The `kvchat plan` report: memory by context size, then which kv_type fits 1M tokens."""
     available = psutil.virtual_memory().available
     lines = [
         f"{cfg.name or cfg.architecture}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x "
-        f"{cfg.head_dim}, weights {_gib(weights_bytes)}; attention {lc.attention}, "
+        f"{cfg.head_dim}, weights {_gib(weights_bytes)}, runtime {_gib(runtime_bytes)} "
+        f"(interpreter, libraries, tokenizer; in the totals); attention {lc.attention}, "
         f"kv_type {lc.kv_type}, block {lc.block_size}, window {lc.local_windows_len}, "
         f"select {lc.second_select_num}",
         f"host memory available now: {_gib(available)} (plans may use {USABLE_FRACTION:.0%} of it)",
@@ -140,7 +152,7 @@ def plan_table(cfg: ModelConfig, lc: LongContextSettings, itemsize: int, weights
         f"{'total':>10}  fits",
     ]
     for n in PLAN_SIZES:
-        p = plan_memory(cfg, lc, n, itemsize, weights_bytes, available)
+        p = plan_memory(cfg, lc, n, itemsize, weights_bytes, available, runtime_bytes=runtime_bytes)
         lines.append(
             f"{n:>9} {_gib(p.kv_bytes):>11} {_gib(p.anchor_bytes):>10} "
             f"{_gib(p.resident_bytes):>10} {_gib(p.weights_bytes):>10} {_gib(p.total_bytes):>10}  "
@@ -156,6 +168,7 @@ def plan_table(cfg: ModelConfig, lc: LongContextSettings, itemsize: int, weights
                 itemsize,
                 weights_bytes,
                 available,
+                runtime_bytes=runtime_bytes,
             )
             verdict = "fits" if p.total_bytes <= available * USABLE_FRACTION else "does not fit"
             lines.append(f"  {kv_type:<5} total {_gib(p.total_bytes):>10}  {verdict}")

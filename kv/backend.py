@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .state import CacheState
+
 
 @dataclass(frozen=True)
 class LayerStats:
@@ -108,5 +110,22 @@ class AttentionBackend(ABC):
     def stats(self) -> CacheStats:
         """A snapshot for the UI and benchmarks."""
 
+    @abstractmethod
+    def decode_read_bytes(self) -> int:
+        """Bytes of cache (keys, values, anchors, copies made to read them) that the next
+        one-token pass reads, over all layers: the cache's share of a decode step's memory
+        traffic, for bandwidth-roofline reports."""
+
     def reserve(self, n_tokens: int) -> None:  # noqa: B027 - optional hook, most backends grow lazily
         """Hint that the sequence will reach `n_tokens`, so storage can be allocated once."""
+
+    @abstractmethod
+    def export_state(self) -> CacheState:
+        """The committed cache as views of its storage (no copy), between passes only."""
+
+    @abstractmethod
+    def load_state(self, state: CacheState) -> None:
+        """Make this freshly made cache hold `state` (from a cache with the same settings).
+
+        Raises StateMismatchError when the state does not fit; the cache is then unusable.
+        """

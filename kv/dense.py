@@ -1,4 +1,8 @@
-"""Dense attention: every query reads every earlier key; the reference for the sparse cache."""
+"""Dense attention: every query reads every earlier key; the reference for the sparse cache.
+
+On the CPU the torch functions of kv/attention.py compute it; where kv/kernels.py picks the
+Triton kernels (CUDA), one causal kernel call per layer reads every key.
+"""
 
 from __future__ import annotations
 
@@ -6,7 +10,9 @@ import torch
 
 from .attention import chunk_attention, decode_attention
 from .backend import AttentionBackend, CacheStats, check_capacity
+from .kernels import TORCH_OPS, attention_ops
 from .positions import RopeTables, rotate
+from .state import CacheState
 
 
 class DenseBackend(AttentionBackend):
@@ -23,9 +29,12 @@ class DenseBackend(AttentionBackend):
         dtype: torch.dtype,
         device: torch.device | str,
         max_tokens: int,
+        ops_backend: str | None = None,
     ) -> None:
+        """ops_backend: see kv.kernels.attention_ops (None: KVCHAT_ATTENTION_OPS, else auto)."""
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.rope, self.dtype, self.device = rope, dtype, torch.device(device)
+        self.ops = attention_ops(self.device, ops_backend)
         self.max_tokens = max_tokens
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
@@ -72,6 +81,8 @@ class DenseBackend(AttentionBackend):
         keys, values = self._k[layer], self._v[layer]
         keys[:, start:end] = k
         values[:, start:end] = v
+        if self.ops is not TORCH_OPS:
+            return self.ops.partial_attention(q, keys[:, :end], values[:, :end], causal=True)[0]
         if self._n_new == 1:
             return decode_attention([(q, keys[:, :end], values[:, :end])])[0]
         return chunk_attention(q, [(q, keys[:, :start], values[:, :start])], k, v)
@@ -83,6 +94,10 @@ class DenseBackend(AttentionBackend):
     def truncate(self, n_tokens: int) -> None:
         self._length = min(self._length, max(n_tokens, 0))
 
+    def decode_read_bytes(self) -> int:
+        per_token = 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.itemsize
+        return per_token * (self._length + 1)
+
     def stats(self) -> CacheStats:
         per_token = 2 * self.n_layers * self.n_kv_heads * self.head_dim * self.dtype.itemsize
         return CacheStats(
@@ -93,3 +108,18 @@ class DenseBackend(AttentionBackend):
             kv_dtype=str(self.dtype).removeprefix("torch."),
             position_mode="native",
         )
+
+    def export_state(self) -> CacheState:
+        n = self._length
+        tensors = {}
+        for i, (k, v) in enumerate(zip(self._k, self._v, strict=True)):
+            tensors[f"{i}.k"], tensors[f"{i}.v"] = k[:, :n], v[:, :n]
+        return CacheState({"length": n}, tensors)
+
+    @torch.inference_mode()  # the buffers may have been made inside the model's inference mode
+    def load_state(self, state: CacheState) -> None:
+        n = state.scalar("length")
+        check_capacity(n, self.max_tokens)
+        self._grow(n)
+        self._length = n
+        state.restore(self.export_state().tensors)

@@ -17,11 +17,19 @@ Positions: `native` stores keys rotated at their absolute positions. `extrapolat
 stores keys unrotated and reads sinks and retrieved blocks with the query rotated to the
 distance `local_windows_len`, so no position ever exceeds the trained range; the local
 window keeps exact relative positions.
+
+Compute, by the ops kv/kernels.py picks for the device:
+- torch (the CPU): blocks are gathered (dequantized) from the store into a buffer and read
+  with the torch attention; the device block cache only counts what a GPU would copy.
+- Triton (CUDA; the CPU under TRITON_INTERPRET=1, for tests): window, sinks, anchors and
+  received attention live on the device, the store stays in host DRAM, and the selected
+  blocks are copied into a DeviceBlockTier (kv/cuda_tier.py), from whose slots one
+  sparse_attention kernel reads them in kv_type, dequantizing in registers.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -30,12 +38,17 @@ from kvchat.config import LongContextSettings
 from .anchors import anchor_rows, block_anchors
 from .attention import chunk_attention, decode_attention
 from .backend import AttentionBackend, CacheStats, LayerStats, check_capacity
+from .cuda_tier import DeviceBlockTier
 from .device_cache import DeviceBlockCache
+from .kernels import TORCH_OPS, attention_ops
 from .positions import RopeTables, rotate
 from .quant import BlockPool
 from .selection import preselect_vote, score_blocks, select_top
+from .state import CacheState, StateMismatchError
 
 POSITION_MODES = ("native", "extrapolate")
+# long_context keys read afresh at every selection, so a built cache can take new values.
+RETUNABLE = ("second_select_num", "token_step", "layer_step")
 _SINK_BLOCKS = 1
 _RECEIVED_QUERIES = 64  # prefill queries whose attention feeds DYNAMIC anchors
 _PRESELECT_QUERIES = 32  # last prompt queries that vote in preselection
@@ -81,7 +94,9 @@ class SparseBackend(AttentionBackend):
         position_mode: str,
         max_tokens: int,
         trained_context: int,
+        ops_backend: str | None = None,
     ) -> None:
+        """ops_backend: see kv.kernels.attention_ops (None: KVCHAT_ATTENTION_OPS, else auto)."""
         if position_mode not in POSITION_MODES:
             raise ValueError(f"position mode {position_mode!r}; choose one of {POSITION_MODES}")
         lc = settings
@@ -99,12 +114,14 @@ class SparseBackend(AttentionBackend):
         self.max_blocks = -(-max_tokens // self.block)
         self.win_cap = window_capacity(lc)
         rows = anchor_rows(lc.anchor_type)
-        pin = torch.cuda.is_available()
+        self.ops = attention_ops(self.device, ops_backend)
         shape = (n_kv_heads, self.win_cap, head_dim)
 
         def pool() -> BlockPool:
+            # Pageable: pinning rounds every allocation up to a power of two, and the tier
+            # copies misses through its own pinned staging buffer.
             n_slots = n_kv_heads * self.max_blocks
-            return BlockPool(n_slots, self.block, head_dim, lc.kv_type, dtype, "cpu", pin)
+            return BlockPool(n_slots, self.block, head_dim, lc.kv_type, dtype, "cpu")
 
         self._layers: list[_LayerState] = []
         for _ in range(n_layers):
@@ -113,14 +130,16 @@ class SparseBackend(AttentionBackend):
                 _LayerState(
                     k_pool=pool(),
                     v_pool=pool(),
-                    # Untouched pages cost no memory: only anchored blocks are ever written.
-                    anchors=torch.empty(self.max_blocks, n_kv_heads, rows, head_dim),
+                    # Untouched host pages cost no memory: only anchored blocks are ever written.
+                    anchors=torch.empty(
+                        self.max_blocks, n_kv_heads, rows, head_dim, device=self.device
+                    ),
                     win_k=win_k,
                     win_v=torch.zeros(shape, dtype=dtype, device=self.device),
                     win_store_k=win_k
                     if position_mode == "native"
                     else torch.zeros(shape, dtype=dtype, device=self.device),
-                    received=torch.zeros(n_kv_heads, self.win_cap)
+                    received=torch.zeros(n_kv_heads, self.win_cap, device=self.device)
                     if lc.anchor_type == "DYNAMIC"
                     else None,
                     sink_k=torch.zeros(
@@ -132,10 +151,25 @@ class SparseBackend(AttentionBackend):
                 )
             )
         first = self._layers[0].k_pool
-        self.device_cache = DeviceBlockCache(
-            n_layers, 2 * max(lc.second_select_num, 1) * n_kv_heads, 2 * first.bytes_per_slot
-        )
-        self._gather_k = torch.empty(0, self.block, head_dim, dtype=dtype, device=self.device)
+        # The Triton path reads blocks from the tier; the torch path reads them on the host
+        # and only counts residency. device_cache is what stats() reports, either way.
+        self.tier: DeviceBlockTier | None = None
+        self.device_cache: DeviceBlockCache | DeviceBlockTier
+        if self.ops is TORCH_OPS:
+            self.device_cache = DeviceBlockCache(
+                n_layers, self._device_slots(), 2 * first.bytes_per_slot
+            )
+        else:
+            self.tier = DeviceBlockTier(
+                [st.k_pool for st in self._layers],
+                [st.v_pool for st in self._layers],
+                self._device_slots(),
+                self.device,
+            )
+            self.device_cache = self.tier
+        self._block_ids = torch.arange(self.max_blocks, device=self.device)
+        # Blocks are gathered on the host (the store's side), then moved where they are used.
+        self._gather_k = torch.empty(0, self.block, head_dim, dtype=dtype)
         self._gather_v = torch.empty_like(self._gather_k)
         self._head_base = (torch.arange(n_kv_heads) * self.max_blocks).unsqueeze(1)
         self._length = 0
@@ -157,6 +191,17 @@ class SparseBackend(AttentionBackend):
     @property
     def length(self) -> int:
         return self._length
+
+    def _device_slots(self) -> int:
+        """Room for two selections per layer (blocks kept from one step to the next hit),
+        never more than every block of the layer."""
+        return min(2 * max(self.lc.second_select_num, 1), self.max_blocks) * self.n_kv
+
+    def retune(self, settings: LongContextSettings) -> None:
+        """Take the RETUNABLE values of `settings` from the next selection on; the cache
+        keeps every other value it was built with."""
+        self.lc = replace(self.lc, **{key: getattr(settings, key) for key in RETUNABLE})
+        self.device_cache.resize(self._device_slots())
 
     def _window_start_at(self, length: int) -> int:
         """First token of the local window for queries after `length` tokens: the block
@@ -201,15 +246,16 @@ class SparseBackend(AttentionBackend):
 
         q_far = qa if self.position_mode == "native" else rotate(q, self._far_cos, self._far_sin)
         ws = self._window_start - self._win_base
-        far_k, far_v = self._retrieve(layer, st, q_far)
         sinks = self._window_start >= _SINK_BLOCKS * self.block
-        sink_k = st.sink_k if sinks else st.sink_k[:, :0]
-        sink_v = st.sink_v if sinks else st.sink_v[:, :0]
+        if self.tier is not None:
+            sink_k = st.sink_k if sinks else st.sink_k[:, :0]
+            sink_v = st.sink_v if sinks else st.sink_v[:, :0]
+            return self._attend_tier(layer, st, qa, q_far, ws, o + n, sink_k, sink_v)
+        far_k, far_v = self._retrieve(layer, st, q_far, sinks)
         if n == 1:
             out, received = decode_attention(
                 [
                     (qa, st.win_k[:, ws : o + 1], st.win_v[:, ws : o + 1]),
-                    (q_far, sink_k, sink_v),
                     (q_far, far_k, far_v),
                 ]
             )
@@ -218,16 +264,62 @@ class SparseBackend(AttentionBackend):
             return out
         out = chunk_attention(
             qa,
-            [
-                (qa, st.win_k[:, ws:o], st.win_v[:, ws:o]),
-                (q_far, sink_k, sink_v),
-                (q_far, far_k, far_v),
-            ],
+            [(qa, st.win_k[:, ws:o], st.win_v[:, ws:o]), (q_far, far_k, far_v)],
             ka,
             v,
         )
         if st.received is not None:
             self._record_received(st, qa, ws, o + n)
+        if self.lc.preselect_block:
+            st.q_last = q_far[:, -_PRESELECT_QUERIES:].float().clone()
+        return out
+
+    def _attend_tier(
+        self,
+        layer: int,
+        st: _LayerState,
+        qa: torch.Tensor,
+        q_far: torch.Tensor,
+        ws: int,
+        end: int,
+        sink_k: torch.Tensor,
+        sink_v: torch.Tensor,
+    ) -> torch.Tensor:
+        """attend on the kernel path: the window (causal on its tail, the pass's own keys),
+        the sinks and the selected blocks, fetched into the tier, in one sparse_attention."""
+        assert self.tier is not None
+        tier, ops = self.tier, self.ops
+        blocks = self._select(layer, st, q_far)
+        self._last_selection[layer] = blocks
+        if blocks is None:
+            blocks = torch.empty(0, dtype=torch.long)
+        per_head = blocks if blocks.dim() == 2 else blocks.unsqueeze(0).expand(self.n_kv, -1)
+        store_slots = self._head_base + per_head
+        # A layer may read more blocks than its tier slots (a dense layer, or a reused
+        # selection that blocks leaving the window joined): they pass through in runs that
+        # fit, each released before the next is fetched, merged by log-sum-exp.
+        run = tier.slots_per_layer // self.n_kv
+        empty = st.sink_k[:, :0]
+        outs, lses = [], []
+        for lo in range(0, max(store_slots.shape[1], 1), run):
+            part = store_slots[:, lo : lo + run]
+            tier_slots = tier.fetch(layer, part) if part.shape[1] else None
+            local = (st.win_k[:, ws:end], st.win_v[:, ws:end], sink_k, sink_v)
+            first = lo == 0
+            out, lse = ops.sparse_attention(
+                qa, q_far, *(local if first else (empty,) * 4), tier.k, tier.v, tier_slots, first
+            )
+            tier.release(layer)
+            outs.append(out)
+            lses.append(lse)
+        if len(outs) > 1:
+            out, lse = ops.merge_partials(outs, lses)
+        if self._n_new == 1:
+            if st.received is not None:
+                st.received[:, ws:end] += ops.window_probs(qa, st.win_k[:, ws:end], lse)
+            return out
+        if st.received is not None:
+            self._record_received(st, qa, ws, end)
         if self.lc.preselect_block:
             st.q_last = q_far[:, -_PRESELECT_QUERIES:].float().clone()
         return out
@@ -251,8 +343,8 @@ class SparseBackend(AttentionBackend):
         slots = (self._head_base + torch.arange(first, complete)).reshape(-1)
         keys = st.win_store_k[:, lo:hi].reshape(self.n_kv * n_blocks, b, self.head_dim)
         values = st.win_v[:, lo:hi].reshape(self.n_kv * n_blocks, b, self.head_dim)
-        st.k_pool.write(slots, keys)
-        st.v_pool.write(slots, values)
+        self.ops.write_blocks(st.k_pool, slots, keys)
+        self.ops.write_blocks(st.v_pool, slots, values)
         if first < _SINK_BLOCKS:
             st.sink_k.copy_(st.win_store_k[:, lo : lo + b])
             st.sink_v.copy_(st.win_v[:, lo : lo + b])
@@ -266,7 +358,7 @@ class SparseBackend(AttentionBackend):
         b, n_blocks = self.block, upto - first
         slots = (self._head_base + torch.arange(first, upto)).reshape(-1)
         for st in self._layers:
-            keys = st.k_pool.gather(slots, self._gather_buffer(len(slots))[0])
+            keys = st.k_pool.gather(slots, self._gather_buffer(len(slots))[0]).to(self.device)
             keys = keys.view(self.n_kv, n_blocks, b, self.head_dim).transpose(0, 1)
             received = None
             if st.received is not None:
@@ -295,8 +387,8 @@ class SparseBackend(AttentionBackend):
         if self._gather_k.shape[0] < n_slots:
             size = max(n_slots, 2 * self._gather_k.shape[0])
             shape = (size, self.block, self.head_dim)
-            self._gather_k = torch.empty(shape, dtype=self.dtype, device=self.device)
-            self._gather_v = torch.empty(shape, dtype=self.dtype, device=self.device)
+            self._gather_k = torch.empty(shape, dtype=self.dtype)
+            self._gather_v = torch.empty(shape, dtype=self.dtype)
         return self._gather_k, self._gather_v
 
     # -- selection ---------------------------------------------------------------------------
@@ -332,36 +424,61 @@ class SparseBackend(AttentionBackend):
         if lc.second_select_num == 0 or len(candidates) == 0:
             return None
         query = q_far.float().mean(dim=1)
-        scores = score_blocks(query, st.anchors[candidates], lc.anchor_type, lc.head_select_mode)
-        st.selection = candidates[select_top(scores, lc.second_select_num)]
+        if self.tier is None:
+            # Without preselection the candidates are one run of blocks: score their anchors
+            # in place instead of copying them (a copy of every anchor, per layer, per token).
+            anchors = (
+                st.anchors[_SINK_BLOCKS : self._n_anchored]
+                if st.preselected is None
+                else st.anchors[candidates]
+            )
+            scores = score_blocks(query, anchors, lc.anchor_type, lc.head_select_mode)
+        else:
+            # The kernel reads the candidates' anchors in place, by id.
+            ids = (
+                self._block_ids[_SINK_BLOCKS : self._n_anchored]
+                if st.preselected is None
+                else candidates.to(self.device)
+            )
+            scores = self.ops.score_blocks(
+                query, st.anchors, lc.anchor_type, lc.head_select_mode, ids
+            )
+        st.selection = candidates[select_top(scores, lc.second_select_num).cpu()]
         st.selection_upto = self._n_anchored
         # A chunk's selection (from its mean query) is never reused for decode queries.
         st.selection_age = 1 if decoding else lc.token_step
         return st.selection
 
     def _retrieve(
-        self, layer: int, st: _LayerState, q_far: torch.Tensor
+        self, layer: int, st: _LayerState, q_far: torch.Tensor, sinks: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gather the selected blocks' keys and values: [n_kv, k * block, D] each."""
+        """Keys and values of the sink block (when `sinks`) and the selected blocks as one key
+        set, [n_kv, S, D] each: both are read with q_far, and one set costs one matmul pair
+        (decode) or one kernel call (prefill) less per layer than two."""
         blocks = self._select(layer, st, q_far)
         self._last_selection[layer] = blocks
-        empty = st.sink_k[:, :0]
-        if blocks is None or blocks.numel() == 0:
-            return empty, empty
-        if layer < self.lc.dense_layer_num and self.device.type == "cpu":
-            # Every candidate is read: one contiguous run per head, read in place when the
-            # store is unquantized (no copy of what may be the whole context).
-            first, last = _SINK_BLOCKS, self._n_anchored
-            k = st.k_pool.span(self.n_kv, first, last)
-            v = st.v_pool.span(self.n_kv, first, last)
-            if k is not None and v is not None:
-                return k, v
+        lead = _SINK_BLOCKS if sinks else 0
+        if blocks is None:
+            blocks = torch.empty(0, dtype=torch.long)
+        if lead + blocks.shape[-1] == 0:
+            return st.sink_k[:, :0], st.sink_v[:, :0]
+        exact = st.k_pool.kv_type == "FP16"  # the store's copy of the sinks is exact
+        if layer < self.lc.dense_layer_num and exact:
+            # Every candidate is read: one contiguous run per head, read in place (no copy
+            # of what may be the whole context); the sinks are the run's first block.
+            first, last = _SINK_BLOCKS - lead, self._n_anchored
+            return st.k_pool.span(self.n_kv, first, last), st.v_pool.span(self.n_kv, first, last)
         per_head = blocks if blocks.dim() == 2 else blocks.unsqueeze(0).expand(self.n_kv, -1)
-        slots = (self._head_base + per_head).reshape(-1)
-        self.device_cache.touch(layer, slots.tolist())
+        self.device_cache.touch(layer, (self._head_base + per_head).reshape(-1).tolist())
+        ids = torch.cat([torch.zeros(self.n_kv, lead, dtype=torch.long), per_head], dim=1)
+        slots = (self._head_base + ids).reshape(-1)
         gk, gv = self._gather_buffer(len(slots))
         k = st.k_pool.gather(slots, gk).view(self.n_kv, -1, self.head_dim)
         v = st.v_pool.gather(slots, gv).view(self.n_kv, -1, self.head_dim)
+        if lead and not exact:
+            # Sinks stay in full precision; the store only has them quantized.
+            k[:, : self.block] = st.sink_k
+            v[:, : self.block] = st.sink_v
         return k, v
 
     def _preselect(self) -> None:
@@ -374,7 +491,7 @@ class SparseBackend(AttentionBackend):
             keep = preselect_vote(
                 st.q_last, st.anchors[ids], self.lc.anchor_type, self.lc.preselect_block_count
             )
-            st.preselected = ids[keep]
+            st.preselected = ids[keep.cpu()]
             st.selection = None
         self._first_generated = self._n_anchored
 
@@ -387,8 +504,8 @@ class SparseBackend(AttentionBackend):
         keys = st.win_k[:, ws:end].float()
         scores = torch.matmul(q, keys.transpose(1, 2)) * self.head_dim**-0.5
         # Query i of the last m sits at window column (end - ws) - m + i: it sees keys up to it.
-        cols = torch.arange(end - ws)
-        rows = torch.arange(m).repeat(group) + (end - ws - m)
+        cols = torch.arange(end - ws, device=keys.device)
+        rows = torch.arange(m, device=keys.device).repeat(group) + (end - ws - m)
         scores.masked_fill_(cols[None, None, :] > rows[None, :, None], float("-inf"))
         st.received[:, ws:end] += torch.softmax(scores, dim=-1).sum(dim=1)
 
@@ -419,7 +536,7 @@ class SparseBackend(AttentionBackend):
         cos, sin = self.rope.cos_sin(start, n, self.dtype)
         for st in self._layers:
             gk, gv = self._gather_buffer(len(slots))
-            keys = st.k_pool.gather(slots, gk).view(self.n_kv, n, self.head_dim)
+            keys = st.k_pool.gather(slots, gk).view(self.n_kv, n, self.head_dim).to(self.device)
             values = st.v_pool.gather(slots, gv).view(self.n_kv, n, self.head_dim)
             st.win_store_k[:, :n] = keys
             st.win_v[:, :n] = values
@@ -429,6 +546,39 @@ class SparseBackend(AttentionBackend):
                 st.received.zero_()
         self._win_base = start
 
+    def decode_read_bytes(self) -> int:
+        """The window in place; the sink block and the selected blocks read in kv_type (from
+        the store, then from the gather buffer they are dequantized into, on the torch path;
+        from the tier's slots, once, by the kernels); every candidate's anchors scored."""
+        lc = self.lc
+        window_start = self._window_start_at(self._length)
+        full = 2 * self.n_kv * self.head_dim * self.dtype.itemsize  # K and V of one token
+        window = (self._length + 1 - window_start) * full
+        sinks = _SINK_BLOCKS if window_start >= _SINK_BLOCKS * self.block else 0
+        candidates = max(window_start // self.block - _SINK_BLOCKS, 0)
+        slot = self._layers[0].k_pool.bytes_per_slot
+        anchor = self._layers[0].anchors[0].numel() * 4
+        in_place = lc.kv_type == "FP16" and self.tier is None  # see _retrieve
+        gathered = 0 if self.tier is not None else 2 * self.block * full
+        total = 0
+        for layer in range(self.n_layers):
+            total += window
+            if layer < lc.dense_layer_num and in_place:
+                total += (sinks + candidates) * self.block * full
+                continue
+            if self.tier is not None:  # the kernels read the sinks in place
+                total += sinks * self.block * full
+                sinks_gathered = 0
+            else:
+                sinks_gathered = sinks
+            read = (
+                candidates if layer < lc.dense_layer_num else min(candidates, lc.second_select_num)
+            )
+            total += (read + sinks_gathered) * (2 * self.n_kv * slot + gathered)
+            if layer >= lc.dense_layer_num:
+                total += candidates * anchor
+        return total
+
     def stats(self) -> CacheStats:
         lc = self.lc
         first = self._layers[0]
@@ -436,6 +586,12 @@ class SparseBackend(AttentionBackend):
         sinks = self.block if window_start >= _SINK_BLOCKS * self.block else 0
         resident = self._length - window_start + sinks
         per_token_full = 2 * self.n_kv * self.head_dim * self.dtype.itemsize
+        # Besides window and sinks: the tier's slots, or the host path's gather buffers.
+        scratch = (
+            self.tier.k.nbytes + self.tier.v.nbytes
+            if self.tier is not None
+            else 2 * self._gather_k.numel() * self._gather_k.element_size()
+        )
         layers = []
         for i, blocks in enumerate(self._last_selection):
             selected = () if blocks is None else tuple(sorted(set(blocks.reshape(-1).tolist())))
@@ -457,8 +613,7 @@ class SparseBackend(AttentionBackend):
             block_size=self.block,
             blocks_in_dram=self._n_stored,
             resident_tokens=resident,
-            resident_bytes=self.n_layers * per_token_full * (self.win_cap + self.block)
-            + 2 * self._gather_k.numel() * self._gather_k.element_size(),
+            resident_bytes=self.n_layers * per_token_full * (self.win_cap + self.block) + scratch,
             anchor_bytes=self.n_layers * self._n_anchored * first.anchors[0].numel() * 4,
             device_slots_used=self.device_cache.used,
             device_slots_total=self.device_cache.total,
@@ -467,3 +622,50 @@ class SparseBackend(AttentionBackend):
             bytes_moved=self.device_cache.bytes_moved,
             layers=tuple(layers),
         )
+
+    # -- snapshots ---------------------------------------------------------------------------
+    def export_state(self) -> CacheState:
+        """Per layer: the stored blocks of every KV head (as stored, in kv_type), the anchors,
+        the sinks and the window columns in use. Selections are not part of it: they are made
+        afresh, as after a truncate."""
+        used = self._length - self._win_base
+        tensors: dict[str, torch.Tensor] = {}
+        for i, st in enumerate(self._layers):
+            parts = {
+                "anchors": st.anchors[_SINK_BLOCKS : max(self._n_anchored, _SINK_BLOCKS)],
+                "sink_k": st.sink_k,
+                "sink_v": st.sink_v,
+            }
+            for name in ("k_pool", "v_pool"):
+                rows = getattr(st, name).storage
+                per_head = rows.view(self.n_kv, self.max_blocks, *rows.shape[1:])
+                parts[name] = per_head[:, : self._n_stored]
+            window = {"win_k": st.win_k, "win_v": st.win_v, "received": st.received}
+            if st.win_store_k is not st.win_k:
+                window["win_store_k"] = st.win_store_k
+            parts |= {name: t[:, :used] for name, t in window.items() if t is not None}
+            tensors |= {f"{i}.{name}": t for name, t in parts.items()}
+        scalars = {"length": self._length, "win_base": self._win_base}
+        return CacheState(scalars | {"n_anchored": self._n_anchored}, tensors)
+
+    @torch.inference_mode()  # like truncate: the model's inference mode may own the scratch
+    def load_state(self, state: CacheState) -> None:
+        length, base = state.scalar("length"), state.scalar("win_base")
+        anchored = state.scalar("n_anchored")
+        check_capacity(length, self.max_tokens)
+        window_start = self._window_start_at(length)
+        if not (0 <= base <= window_start and base % self.block == 0) or not (
+            length - base <= self.win_cap and 0 <= anchored <= window_start // self.block
+        ):
+            raise StateMismatchError(
+                f"inconsistent positions in the saved state: {length} tokens, window buffer "
+                f"from {base}, {anchored} anchored blocks (window capacity {self.win_cap})"
+            )
+        self._length, self._win_base, self._n_anchored = length, base, anchored
+        self._n_stored, self._window_start = length // self.block, window_start
+        self._first_generated, self._needs_preselect = 0, False
+        for st in self._layers:
+            st.selection, st.preselected, st.q_last = None, None, None
+        self._last_selection = [None] * self.n_layers
+        self.device_cache.invalidate()
+        state.restore(self.export_state().tensors)

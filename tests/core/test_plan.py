@@ -25,7 +25,16 @@ SMOL = ModelConfig(
     tie_word_embeddings=True,
     name="smol",
 )
-SPARSE = LongContextSettings(attention="sparse")
+# Spelled out so the hand-computed numbers do not follow changes of the defaults.
+SPARSE = LongContextSettings(
+    attention="sparse",
+    chunk_size=4096,
+    local_windows_len=4096,
+    second_select_num=32,
+    dense_layer_num=0,
+    anchor_type="DYNAMIC",
+    anchor_num=1,
+)
 GIB = 1024**3
 
 
@@ -57,6 +66,21 @@ def test_anchor_and_resident_bytes():
     gather = 2 * 3 * 32 * 128 * 64 * 2  # dense layers gather all 32 blocks; 32 = select too
     assert p.resident_bytes == 30 * 3 * window * (3 * 64 * 2 + 4) + sinks + gather
     assert p.activation_bytes > RUNTIME_BYTES
+
+
+def test_runtime_counts_in_the_total_but_is_not_needed_again():
+    base = plan_memory(SMOL, SPARSE, 4096, 2, 100_000_000, 100 * GIB)
+    p = plan_memory(SMOL, SPARSE, 4096, 2, 100_000_000, 100 * GIB, runtime_bytes=300_000_000)
+    assert p.total_bytes == base.total_bytes + 300_000_000
+    assert p.needed_bytes == base.needed_bytes  # the process is running already
+
+
+def test_engine_measures_its_runtime(engine_fp32):
+    import psutil
+
+    rss = psutil.Process().memory_info().rss
+    assert 50e6 < engine_fp32.runtime_bytes < rss
+    assert engine_fp32.plan(4096).runtime_bytes == engine_fp32.runtime_bytes
 
 
 def test_fits_and_refusal_message():

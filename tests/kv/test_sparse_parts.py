@@ -28,8 +28,10 @@ def test_sinks_are_always_attended(tiny):
     # Zeroing the sink block's values changes the output, so it is read.
     before = tiny.forward(torch.tensor([5]), cache)
     cache.truncate(PROMPT)
+    sink_slots = cache._head_base.reshape(-1)  # block 0 of every KV head
     for st in cache._layers:
         st.sink_v.zero_()
+        st.v_pool.write(sink_slots, torch.zeros(len(sink_slots), 32, 32))
     after = tiny.forward(torch.tensor([5]), cache)
     assert (before - after).abs().max() > 1e-4
 
@@ -151,3 +153,26 @@ def test_extrapolate_mode_keeps_positions_in_range(tiny):
     assert torch.isfinite(got).all()
     assert cache.max_chunk == 64
     assert cache.stats().position_mode == "extrapolate"
+
+
+@pytest.mark.parametrize("kv_type", ["FP16", "INT8", "INT4"])
+def test_decode_read_bytes_counts_what_a_step_reads(tiny, kv_type):
+    # TINY: 4 layers, 2 KV heads x 32 dims, fp32. Window 128, blocks of 32, 4 selected,
+    # layer 0 dense. After 700 tokens the next step's window starts at 544 (a block
+    # boundary <= 701 - 128): 157 window tokens in place; the sink block and the selected
+    # blocks are gathered; blocks 1..16 are candidates.
+    settings = small_settings(kv_type=kv_type)
+    cache = sparse_cache(tiny, settings)
+    run(tiny, cache, _ids(), 64)
+    full = 2 * 2 * 32 * 4  # K and V of one token, fp32
+    slot = {"FP16": 32 * 32 * 4, "INT8": 32 * (32 + 2), "INT4": 32 * (16 + 4)}[kv_type]
+    window = (701 - 544) * full
+    gathered = 2 * 2 * slot + 2 * 32 * full  # per block: store read, buffer write + read
+    anchors = 16 * 2 * 1 * 32 * 4  # DYNAMIC, anchor_num 1: one fp32 key per block and head
+    dense_layer = 17 * 32 * full if kv_type == "FP16" else 17 * gathered
+    sparse_layer = 5 * gathered + anchors
+    assert cache.decode_read_bytes() == 4 * window + dense_layer + 3 * sparse_layer
+
+    dense = dense_cache(tiny)
+    run(tiny, dense, _ids(), 64)
+    assert dense.decode_read_bytes() == 4 * 701 * full

@@ -1,0 +1,44 @@
+"""`kvchat bench speed` end to end at a small size, with the real model."""
+
+from __future__ import annotations
+
+from kvchat.config import load_settings
+from kvchat.core.bench_speed import memory_copy_rate, run_speed_bench
+
+SMALL = [
+    "long_context.chunk_size=64",
+    "long_context.block_size=32",
+    "long_context.local_windows_len=128",
+    "long_context.second_select_num=4",
+    "long_context.max_seq_len=2048",
+]
+
+
+def test_speed_bench_reports_ratios_and_roofline():
+    settings = load_settings(overrides=SMALL).settings
+    lines: list[str] = []
+    result = run_speed_bench(
+        settings,
+        [400],
+        decode_tokens=4,
+        with_transformers=False,
+        compare_dense=[400],
+        log=lines.append,
+    )
+    assert result["memory_copy_bytes_per_s"] > 1e8
+    (row,) = result["results"]
+    ours = row["kvchat"]
+    assert ours["attention"] == "sparse" and row["dense"]["attention"] == "dense"
+    assert set(row["dense_ratio"]) == {"prefill", "decode"}
+    weights = result["weights_read_bytes_per_token"]
+    # At least the weights and some cache are read per token.
+    assert weights > 50e6
+    assert ours["decode_bytes_per_token"] > weights
+    assert row["dense"]["decode_bytes_per_token"] > weights
+    assert 0 < ours["decode_roofline_fraction"] < 2
+    assert "of roofline" in lines[-1] and "x" in lines[-1]
+
+
+def test_memory_copy_rate_is_a_plausible_bandwidth():
+    rate = memory_copy_rate(64 * 1024**2, repeats=3)
+    assert 1e8 < rate < 1e13
