@@ -3,30 +3,58 @@
 All engine work (model load, tokenizing, prefill, generation) runs in one exclusive worker
 thread; it reports through messages (see messages.py, bridge.py) and the live panels poll
 `engine.stats()` on a timer. The UI thread only ever touches the engine for cheap reads and
-for swapping a Conversation object while no worker runs.
+for swapping or editing a Conversation object while no worker runs. Finished messages are
+saved to SQLite (core/history.py) from the UI thread: one small write each, never per token.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import asdict, replace
 from pathlib import Path
+from typing import TypeVar
 
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
+from textual.css.query import NoMatches
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from kvchat.config import Settings
+from kvchat.config import (
+    GenerationSettings,
+    KeySettings,
+    Settings,
+    changed_keys,
+    default_config_path,
+)
 from kvchat.core.conversation import Conversation
-from kvchat.core.engine import Engine
+from kvchat.core.engine import Engine, EngineStats
+from kvchat.core.history import (
+    History,
+    HistoryError,
+    SavedDocument,
+    SavedMessage,
+    export_markdown,
+)
 
 from . import bridge
-from .commands import HELP, Command, UnknownCommand, parse_command
-from .messages import DocumentInfo, DocumentLoaded, ModelLoaded, Progress, ReplyPiece, StepFinished
+from .commands import HELP, Command, UnknownCommand, keys_help, parse_command
+from .messages import (
+    ConversationResumed,
+    DocumentInfo,
+    DocumentLoaded,
+    ModelLoaded,
+    Notice,
+    Progress,
+    ReplyPiece,
+    StepFinished,
+)
 from .screens.load_file import LoadFileScreen
+from .screens.sessions import SessionsScreen
+from .screens.settings import RebuildScreen, SettingsScreen, prompt_clashes
 from .widgets.chat import ChatPane, Reply
 from .widgets.heatmap import SelectionHeatmap
 from .widgets.panels import DeviceWindowPanel, DramPanel, Panel, ThroughputPanel
@@ -34,16 +62,29 @@ from .widgets.prompt import PromptInput
 from .widgets.status import StatusLine, StepProgress
 
 READY = "ready"
+T = TypeVar("T")
+THEMES = {"dark": "textual-dark", "light": "textual-light"}
 
 
 class KvchatApp(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "kvchat"
+    # Footer labels of the remappable actions; each is bound under its `keys` setting's name
+    # (the binding id), so the keymap built from the settings can move it to another key.
+    ACTIONS = {
+        "load_file": "Load file",
+        "stop": "Stop",
+        "toggle_panels": "Panels",
+        "clear_chat": "Clear",
+        "settings": "Settings",
+        "help": "Help",
+        "sessions": "Sessions",
+        "regenerate": "Regenerate",
+        "copy_reply": "Copy reply",
+    }
     BINDINGS = [
-        Binding("ctrl+o", "load_file", "Load file"),
-        Binding("escape", "stop", "Stop"),
-        Binding("f2", "toggle_panels", "Panels"),
-        Binding("ctrl+l", "clear_chat", "Clear"),
+        Binding(getattr(KeySettings(), action), action, label, id=action)
+        for action, label in ACTIONS.items()
     ]
 
     def __init__(
@@ -53,11 +94,15 @@ class KvchatApp(App[None]):
         engine: Engine | None = None,
         model_spec: str | None = None,
         prompt_file: str | Path | None = None,
+        config_path: Path | None = None,
     ) -> None:
         """`engine`: an already loaded engine to use (tests share one); else the app loads
-        `model_spec` (default settings.model.path) in its worker at start."""
+        `model_spec` (default settings.model.path) in its worker at start. The settings
+        screen saves to `config_path` (default: the user's config file)."""
         super().__init__()
         self.settings = settings
+        self.config_path = config_path or default_config_path()
+        self.set_keymap(asdict(settings.keys))
         self.engine = engine
         self.model_spec = model_spec
         self.prompt_file = prompt_file
@@ -66,6 +111,8 @@ class KvchatApp(App[None]):
         self.cancel_event = threading.Event()
         self.reply: Reply | None = None
         self.document: DocumentInfo | None = None
+        self.history = History()  # $KVCHAT_HOME/conversations.sqlite3, opened on first use
+        self.conversation_id: int | None = None  # saved from its first question on
 
     # ---- layout --------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -85,11 +132,15 @@ class KvchatApp(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.theme = "textual-light" if self.settings.ui.theme == "light" else "textual-dark"
+        self.theme = THEMES[self.settings.ui.theme]
         self.query_one("#progress", StepProgress).hide()
         self.query_one("#side").display = self.settings.ui.show_panels
         self.query_one("#prompt", PromptInput).focus()
-        self.set_interval(1 / self.settings.ui.stats_refresh_hz, self.refresh_stats)
+        self.stats_timer = self.set_interval(
+            1 / self.settings.ui.stats_refresh_hz, self.refresh_stats
+        )
+        for problem in prompt_clashes(self.settings.keys):
+            self.notify(f"{self.config_path}: {problem}", severity="warning")
         if self.engine is None:
             settings, spec = self.settings, self.model_spec
             self._engine_worker("model", lambda: bridge.load_model(settings, spec, self.post))
@@ -102,14 +153,27 @@ class KvchatApp(App[None]):
         # A thread worker cannot be killed: ask it to stop at the next chunk or token so
         # quitting does not wait for a long prefill to finish.
         self.cancel_event.set()
+        # The timer could otherwise fire once more while the widgets are being removed.
+        self.stats_timer.stop()
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        yield SystemCommand("Load document", "Open the file dialog (Ctrl+O)", self.action_load_file)
-        yield SystemCommand("Stop", "Stop the running prefill or reply (Esc)", self.action_stop)
-        yield SystemCommand("Clear chat", "Start over, keep the document", self.action_clear_chat)
-        yield SystemCommand("Panels", "Show or hide the live panels", self.action_toggle_panels)
-        yield SystemCommand("Help", "Commands and keys", self.action_help)
+        for title, help, action in (
+            ("Load document", "Open the file dialog", "load_file"),
+            ("Stop", "Stop the running prefill or reply", "stop"),
+            ("Clear chat", "Start over, keep the document", "clear_chat"),
+            ("Panels", "Show or hide the live panels", "toggle_panels"),
+            ("Settings", "Edit and save the settings", "settings"),
+            ("Help", "Commands and keys", "help"),
+            ("Sessions", "Resume a saved conversation", "sessions"),
+            ("Regenerate", "Answer the last question again", "regenerate"),
+            ("Copy reply", "Copy the last reply to the clipboard", "copy_reply"),
+        ):
+            key = getattr(self.settings.keys, action)
+            yield SystemCommand(title, f"{help} ({key})", getattr(self, f"action_{action}"))
+        yield SystemCommand(
+            "Export", "Save the conversation as Markdown (/export)", lambda: self.export("")
+        )
 
     # ---- the engine worker ---------------------------------------------------------------
     def post(self, message: object) -> None:
@@ -120,10 +184,16 @@ class KvchatApp(App[None]):
     def _engine_worker(self, kind: str, body: Callable[[], str]) -> None:
         bridge.run_step(kind, self.post, self.cancel_event, body)
 
-    def start_step(self, kind: str, state: str, body: Callable[[threading.Event], str]) -> bool:
-        """Run `body(cancel)` in the worker unless one is running; False if refused."""
+    def idle(self) -> bool:
+        """Whether the engine is free for a step; when not, says so."""
         if self.engine is None or self.busy:
             self.notify("Busy: wait, or press Esc to stop the running step.", severity="warning")
+            return False
+        return True
+
+    def start_step(self, kind: str, state: str, body: Callable[[threading.Event], str]) -> bool:
+        """Run `body(cancel)` in the worker unless one is running; False if refused."""
+        if not self.idle():
             return False
         self.busy, self.state = True, state
         self.cancel_event = cancel = threading.Event()
@@ -131,8 +201,20 @@ class KvchatApp(App[None]):
         self.refresh_stats()
         return True
 
-    def on_model_loaded(self, message: ModelLoaded) -> None:
-        self.engine = message.engine
+    async def on_model_loaded(self, message: ModelLoaded) -> None:
+        switched, self.engine = self.engine is not None, message.engine
+        if switched:
+            # The document was tokenized for the old model: the new one starts a new chat.
+            self.document, self.conversation_id = None, None
+            chat = self.query_one("#chat", ChatPane)
+            await chat.remove_children()
+            await chat.add_note(
+                f"Model **{message.engine.stats().model}** loaded: a new chat starts. "
+                "Load the document again (/load) to ask about it."
+            )
+
+    def on_notice(self, message: Notice) -> None:
+        self.notify(message.text, title=message.title, severity=message.severity)  # type: ignore[arg-type]
 
     def on_progress(self, message: Progress) -> None:
         self.state = message.phase
@@ -141,7 +223,7 @@ class KvchatApp(App[None]):
         )
 
     async def on_document_loaded(self, message: DocumentLoaded) -> None:
-        self.document = message.info
+        self.document, self.conversation_id = message.info, None
         chat = self.query_one("#chat", ChatPane)
         await chat.remove_children()
         await chat.add_document_card(message.info)
@@ -155,11 +237,15 @@ class KvchatApp(App[None]):
         self.busy, self.state = False, READY
         self.query_one("#progress", StepProgress).hide()
         if message.kind == "reply" and self.reply is not None:
-            await self.reply.finish(stopped=message.stopped or message.error is not None)
+            stopped = message.stopped or message.error is not None
+            await self.reply.finish(stopped=stopped)
+            self.save_message(SavedMessage("assistant", self.reply.text, stopped))
             self.reply = None
         if message.error:
-            self.state = "model failed to load" if message.kind == "model" else READY
-            self.busy = message.kind == "model"  # no engine: nothing can run
+            # A first model that failed leaves no engine: nothing can run. A failed /model
+            # keeps the model loaded before.
+            self.state = "model failed to load" if self.engine is None else READY
+            self.busy = self.engine is None
             self.notify(message.error, title=f"{message.kind} failed", severity="error")
         elif message.stopped:
             self.notify(message.detail or "stopped", title="stopped", severity="warning")
@@ -167,6 +253,10 @@ class KvchatApp(App[None]):
             self._after_model()
         elif message.kind == "document" and message.detail:
             self.notify(message.detail, title="document loaded")
+        elif message.kind == "resume":
+            self.notify(message.detail, title="conversation resumed")
+        elif message.kind == "rebuild":
+            self.notify(message.detail, title="cache rebuilt")
         self.refresh_stats()
 
     def _after_model(self) -> None:
@@ -183,12 +273,12 @@ class KvchatApp(App[None]):
             lambda cancel: bridge.load_document(engine, path, self.post, cancel),  # type: ignore[arg-type]
         )
 
-    def ask(self, question: str) -> bool:
+    def ask(self, question: str, params: GenerationSettings | None = None) -> bool:
         engine = self.engine
         return self.start_step(
             "reply",
             "prefill",
-            lambda cancel: bridge.ask(engine, question, self.post, cancel),  # type: ignore[arg-type]
+            lambda cancel: bridge.ask(engine, question, self.post, cancel, params),  # type: ignore[arg-type]
         )
 
     async def on_prompt_input_submitted(self, message: PromptInput.Submitted) -> None:
@@ -206,6 +296,7 @@ class KvchatApp(App[None]):
             return
         chat = self.query_one("#chat", ChatPane)
         await chat.add_user(message.text)
+        self.save_message(SavedMessage("user", message.text))
         self.reply = await chat.add_reply()
         self.ask(message.text)
 
@@ -217,6 +308,20 @@ class KvchatApp(App[None]):
                 self.action_load_file()
         elif command.name == "clear":
             await self.action_clear_chat()
+        elif command.name == "settings":
+            self.action_settings()
+        elif command.name == "sessions":
+            self.action_sessions()
+        elif command.name == "export":
+            self.export(command.arg)
+        elif command.name == "copy":
+            self.action_copy_reply()
+        elif command.name == "regenerate":
+            await self.action_regenerate()
+        elif command.name == "system":
+            await self.set_system(command.arg)
+        elif command.name == "model":
+            self.load_model(command.arg)
         else:
             await self.action_help()
 
@@ -238,17 +343,162 @@ class KvchatApp(App[None]):
         side = self.query_one("#side")
         side.display = not side.display
 
+    # ---- saved conversations -------------------------------------------------------------
+    def save_message(self, message: SavedMessage) -> None:
+        """Write one finished message; the conversation's record starts at its first."""
+        if self.engine is None:
+            return
+        try:
+            if self.conversation_id is None:
+                conversation = self.engine.session.conversation
+                doc = self.document if conversation.document_ids else None
+                saved = (
+                    SavedDocument(doc.path, doc.name, doc.size_bytes, doc.tokens, doc.sha256)
+                    if doc is not None
+                    else None
+                )
+                model = self.engine.stats().model
+                self.conversation_id = self.history.create(model, conversation.system, saved)
+            self.history.add_message(self.conversation_id, message)
+        except HistoryError as e:
+            self.notify(str(e), title="not saved", severity="error")
+
+    def history_call(self, call: Callable[[History], T], title: str) -> T | None:
+        """`call(self.history)`, or None after a notification saying why it failed."""
+        try:
+            return call(self.history)
+        except HistoryError as e:
+            self.notify(str(e), title=title, severity="error")
+            return None
+
+    def action_sessions(self) -> None:
+        if not self.idle():
+            return
+        summaries = self.history_call(History.summaries, "sessions")
+        if summaries is not None:
+            self.push_screen(SessionsScreen(summaries), self.resume)
+
+    def resume(self, conversation_id: int | None) -> None:
+        """Continue a saved conversation: its document is reloaded in the worker."""
+        if conversation_id is None:
+            return
+        saved = self.history_call(lambda h: h.load(conversation_id), "sessions")
+        if saved is None:
+            return
+        engine = self.engine
+        self.start_step(
+            "resume",
+            f"resuming {saved.title}",
+            lambda cancel: bridge.resume(engine, saved, self.post, cancel),  # type: ignore[arg-type]
+        )
+
+    async def on_conversation_resumed(self, message: ConversationResumed) -> None:
+        saved = message.saved
+        self.document, self.conversation_id = message.info, saved.id
+        chat = self.query_one("#chat", ChatPane)
+        await chat.remove_children()
+        if message.info is not None:
+            await chat.add_document_card(message.info)
+        elif saved.document is not None:
+            await chat.add_note(
+                f"The document **{saved.document.name}** is not loaded: {message.problem}. "
+                "The chat goes on without it."
+            )
+        if saved.system:
+            await chat.add_note(system_note(saved.system))
+        for m in saved.messages:
+            if m.role == "user":
+                await chat.add_user(m.text)
+            else:
+                await chat.add_saved_reply(m.text, m.stopped)
+
+    def export(self, target: str) -> None:
+        """Write the saved conversation as Markdown to `target` (default: the exports folder)."""
+        conversation_id = self.conversation_id
+        if conversation_id is None:
+            self.notify("Nothing to export yet: ask a question first.", severity="warning")
+            return
+        path = self.history_call(
+            lambda h: export_markdown(
+                h.load(conversation_id), Path(target).expanduser() if target else None
+            ),
+            "export failed",
+        )
+        if path is not None:
+            self.notify(str(path), title="exported")
+
+    def action_copy_reply(self) -> None:
+        turns = self.engine.session.conversation.messages if self.engine is not None else []
+        replies = [m["content"] for m in turns if m["role"] == "assistant"]
+        if not replies or not replies[-1]:
+            self.notify("No reply to copy yet.", severity="warning")
+            return
+        self.copy_to_clipboard(replies[-1])
+        self.notify(f"Copied the last reply ({len(replies[-1]):,} characters).")
+
+    async def action_regenerate(self) -> None:
+        """Answer the last question again. The cache still holds everything before the old
+        reply, so the question is not prefilled again."""
+        if not self.idle():
+            return
+        assert self.engine is not None
+        conversation = self.engine.session.conversation
+        if not conversation.messages:
+            self.notify("Nothing to regenerate yet: ask a question first.", severity="warning")
+            return
+        question = conversation.messages[-2]["content"]
+        del conversation.messages[-2:]
+        chat = self.query_one("#chat", ChatPane)
+        replies = chat.replies()
+        if replies:
+            await replies[-1].remove()
+        conversation_id = self.conversation_id
+        if conversation_id is not None:
+            self.history_call(lambda h: h.drop_last_reply(conversation_id), "not saved")
+        self.reply = await chat.add_reply()
+        generation = self.engine.settings.generation
+        # When sampling, the same seed would draw the same reply again.
+        self.ask(question, replace(generation, seed=-1) if generation.temperature > 0 else None)
+
+    async def set_system(self, prompt: str) -> None:
+        """Set (empty: clear) the system prompt of the conversation."""
+        if not self.idle():
+            return
+        assert self.engine is not None
+        session = self.engine.session
+        session.conversation.system = prompt or None
+        conversation_id = self.conversation_id
+        if conversation_id is not None:
+            self.history_call(lambda h: h.set_system(conversation_id, prompt or None), "not saved")
+        note = system_note(prompt) if prompt else "System prompt cleared."
+        if session.tokens:
+            note += (
+                f" It comes first, so the next question prefills the context again "
+                f"({len(session.tokens):,} tokens)."
+            )
+        await self.query_one("#chat", ChatPane).add_note(note)
+
+    def load_model(self, spec: str) -> None:
+        """Load another model (empty: the one the settings name) in place of this one."""
+        settings, spec = self.settings, spec or self.settings.model.path
+        self.start_step(
+            "model",
+            f"loading model {spec}",
+            lambda cancel: bridge.load_model(settings, spec, self.post),
+        )
+
     async def action_clear_chat(self) -> None:
         """Clear the chat and forget the questions, keeping the document.
 
         The session (and its KV cache) stays: the next question shares the document prefix
         with what is cached, so only the question is prefilled.
         """
-        if self.busy or self.engine is None:
-            self.notify("Busy: wait, or press Esc to stop the running step.", severity="warning")
+        if not self.idle():
             return
+        assert self.engine is not None
         session = self.engine.session
         old = session.conversation
+        self.conversation_id = None  # what follows is saved as a new conversation
         session.conversation = Conversation(
             system=old.system, document_ids=old.document_ids, document_name=old.document_name
         )
@@ -258,17 +508,76 @@ class KvchatApp(App[None]):
             await chat.add_document_card(self.document)
 
     async def action_help(self) -> None:
-        await self.query_one("#chat", ChatPane).add_note(HELP)
+        await self.query_one("#chat", ChatPane).add_note(
+            HELP + "\n" + keys_help(self.settings.keys)
+        )
+
+    def action_settings(self) -> None:
+        # Settings change what a running step reads: open them only while the engine is idle
+        # (while the screen is up, no step can start).
+        if self.busy or self.engine is None:
+            self.notify("Busy: wait, or press Esc to stop the running step.", severity="warning")
+            return
+        self.push_screen(SettingsScreen(self.settings, self.config_path), self.apply_settings)
+
+    def apply_settings(self, settings: Settings | None) -> None:
+        """Put saved settings to work: keys, theme and panels here, the rest in the engine."""
+        if settings is None or self.engine is None:
+            return
+        old, self.settings = self.settings, settings
+        self.set_keymap(asdict(settings.keys))
+        self.theme = THEMES[settings.ui.theme]
+        if settings.ui.show_panels != old.ui.show_panels:  # else keep what the panels key made
+            self.query_one("#side").display = settings.ui.show_panels
+        if settings.ui.stats_refresh_hz != old.ui.stats_refresh_hz:
+            self.stats_timer.stop()
+            self.stats_timer = self.set_interval(
+                1 / settings.ui.stats_refresh_hz, self.refresh_stats
+            )
+        result = self.engine.apply_settings(settings)
+        reload = [key for key in changed_keys(old, settings) if key.startswith("model.")]
+        lines = [f"Saved to {self.config_path}."]
+        if result.cache:
+            lines.append(f"Needs a new cache: {', '.join(result.cache)}.")
+        if reload or result.reload:
+            lines.append(
+                f"Needs the model loaded again (restart kvchat or use /model): "
+                f"{', '.join(reload + list(result.reload))}."
+            )
+        self.notify("\n".join(lines), title="settings")
+        session = self.engine.session
+        if result.cache and session.tokens:
+            self.push_screen(
+                RebuildScreen(result.cache, len(session.tokens)),
+                lambda now: self.rebuild_cache() if now else None,
+            )
+        self.refresh_stats()
+
+    def rebuild_cache(self) -> None:
+        engine = self.engine
+        self.start_step(
+            "rebuild",
+            "rebuilding cache",
+            lambda cancel: bridge.rebuild_cache(engine, self.post, cancel),  # type: ignore[arg-type]
+        )
 
     # ---- live panels ---------------------------------------------------------------------
     def refresh_stats(self) -> None:
-        status = self.query_one("#status", StatusLine)
-        if self.engine is None:
-            status.show(self.state, None)
-            return
-        stats = self.engine.stats()
-        status.show(self.state, stats)
+        try:
+            if self.engine is None:
+                self.query_one("#status", StatusLine).show(self.state, None)
+            else:
+                self.show_stats(self.engine.stats())
+        except NoMatches:
+            pass  # the timer fired while the app was shutting down and its widgets are gone
+
+    def show_stats(self, stats: EngineStats) -> None:
+        self.query_one("#status", StatusLine).show(self.state, stats)
         if self.query_one("#side").display:
             for panel in self.query(Panel):
                 panel.show(stats)
             self.query_one("#heatmap", SelectionHeatmap).show(stats.cache)
+
+
+def system_note(prompt: str) -> str:
+    return f"**System prompt:** {prompt}"

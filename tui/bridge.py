@@ -1,5 +1,5 @@
 """The engine steps the app runs in its worker thread: load the model, load a document,
-answer a question.
+resume a saved conversation, answer a question, rebuild the cache.
 
 Each step talks to the UI only through `post` (the app's thread-safe post_message) and
 rate-limits what it posts: reply text at most every 50 ms, progress at most 10 times a
@@ -15,14 +15,25 @@ from pathlib import Path
 
 from textual.message import Message
 
-from kvchat.config import Settings
+from kvchat.config import GenerationSettings, Settings
 from kvchat.core.cancel import Cancelled
 from kvchat.core.conversation import Conversation
-from kvchat.core.documents import read_document
+from kvchat.core.documents import Document, DocumentError, read_document
 from kvchat.core.engine import Engine
 from kvchat.core.errors import USER_ERRORS
+from kvchat.core.history import SavedConversation
+from kvchat.core.snapshot import PrefillReport, format_size
 
-from .messages import DocumentInfo, DocumentLoaded, ModelLoaded, Progress, ReplyPiece, StepFinished
+from .messages import (
+    ConversationResumed,
+    DocumentInfo,
+    DocumentLoaded,
+    ModelLoaded,
+    Notice,
+    Progress,
+    ReplyPiece,
+    StepFinished,
+)
 
 Post = Callable[[Message], object]
 
@@ -101,30 +112,99 @@ def load_document(engine: Engine, path: str | Path, post: Post, cancel: threadin
 
     Any refusal before the swap leaves the current document and session untouched.
     """
-    doc = read_document(path)
-    ids = engine.tokenizer.encode_long(doc.text, progress_reporter(post, "tokenize"), cancel)
-    candidate = Conversation(document_ids=ids, document_name=doc.name)
+    return _open_document(engine, read_document(path), Conversation(), post, cancel, DocumentLoaded)
+
+
+def resume(engine: Engine, saved: SavedConversation, post: Post, cancel: threading.Event) -> str:
+    """Replace the session with a saved conversation: its system prompt and turns, over its
+    document when the file is still there and unchanged (reloaded like `load_document`),
+    else without it. The next question prefills what the cache does not hold yet."""
+    history = Conversation(system=saved.system, messages=saved.turns())
+    doc, problem = None, ""
+    if saved.document is not None:
+        try:
+            doc = read_document(saved.document.path)
+        except DocumentError as e:
+            problem = str(e)
+        else:
+            if doc.sha256 != saved.document.sha256:
+                doc, problem = None, f"{saved.document.path}: the file changed since then"
+    if doc is not None:
+        return _open_document(
+            engine, doc, history, post, cancel, lambda info: ConversationResumed(saved, info, "")
+        )
+    engine.new_session().conversation = history
+    post(ConversationResumed(saved, None, problem))
+    return f"resumed “{saved.title}”" + (" without its document" if problem else "")
+
+
+def _open_document(
+    engine: Engine,
+    doc: Document,
+    history: Conversation,
+    post: Post,
+    cancel: threading.Event,
+    announce: Callable[[DocumentInfo], Message],
+) -> str:
+    """Tokenize `doc`; if it fits, start a new session on it continuing `history`, post
+    `announce(info)` and prefill the document."""
+    report = progress_reporter(post, "tokenize")
+    report(0, len(doc.text))  # the phase shows at once, not after the first batch
+    ids = engine.tokenizer.encode_long(doc.text, report, cancel)
+    candidate = Conversation(system=history.system, document_ids=ids, document_name=doc.name)
     prefix = candidate.document_prefix_ids(engine.tokenizer)
     max_new = engine.settings.generation.max_new_tokens
     engine.check_fits(len(prefix), max_new)
     session = engine.new_session()
+    candidate.messages = list(history.messages)
     session.conversation = candidate
-    post(DocumentLoaded(DocumentInfo(doc.name, doc.size_bytes, len(ids), _head(doc.text))))
-    session.prepare(len(prefix) + max_new)
-    session.sync(prefix, progress_reporter(post, "prefill"), cancel)
-    return f"{doc.name} is ready: {len(prefix)} tokens prefilled"
+    path = str(doc.path.resolve())
+    info = DocumentInfo(doc.name, doc.size_bytes, len(ids), _head(doc.text), path, doc.sha256)
+    post(announce(info))
+    report = progress_reporter(post, "prefill")
+    report(0, len(prefix))
+    prefill = session.prefill_document(prefix, report, cancel)
+    for warning in prefill.warnings:
+        post(Notice(warning, title="snapshot", severity="warning"))
+    return _ready(doc.name, len(prefix), prefill)
 
 
-def ask(engine: Engine, question: str, post: Post, cancel: threading.Event) -> str:
+def _ready(name: str, n_tokens: int, prefill: PrefillReport) -> str:
+    """The line that says a document is ready, and what a snapshot did for it."""
+    restored = prefill.describe_restore()
+    if restored is None:
+        text = f"{name} is ready: {n_tokens} tokens prefilled"
+    else:
+        text = f"{name} is ready: {restored}"
+        if prefill.prefilled:
+            text += f", {prefill.prefilled} more prefilled"
+    if prefill.saved is not None:
+        text += f"; saved as snapshot {prefill.saved.id} ({format_size(prefill.saved.size_bytes)})"
+    return text
+
+
+def ask(
+    engine: Engine,
+    question: str,
+    post: Post,
+    cancel: threading.Event,
+    params: GenerationSettings | None = None,
+) -> str:
     batcher = TokenBatcher(post)
     try:
         for piece in engine.session.ask(
-            question, on_progress=progress_reporter(post, "prefill"), cancel=cancel
+            question, params, on_progress=progress_reporter(post, "prefill"), cancel=cancel
         ):
             batcher.add(piece)
     finally:
         batcher.flush()  # the partial reply is kept, even when cancelled or failed
     return ""
+
+
+def rebuild_cache(engine: Engine, post: Post, cancel: threading.Event) -> str:
+    """Prefill the cached context again into a cache made with the current settings."""
+    n = engine.session.rebuild(progress_reporter(post, "prefill"), cancel)
+    return f"cache rebuilt: {n} tokens prefilled"
 
 
 def _head(text: str, n_lines: int = CARD_LINES, width: int = CARD_LINE_CHARS) -> str:

@@ -16,6 +16,14 @@ from kvchat.config import load_settings, settings_to_yaml
 from kvchat.core.cancel import Cancelled
 from kvchat.core.documents import DocumentError, read_document
 from kvchat.core.errors import USER_ERRORS
+from kvchat.core.snapshot import (
+    PrefillReport,
+    SnapshotError,
+    SnapshotInfo,
+    SnapshotStore,
+    format_size,
+    snapshot_dir,
+)
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -73,6 +81,13 @@ def cmd_ask(args: argparse.Namespace) -> int:
         print(f"{doc.name}: {doc.size_bytes} bytes, {len(ids)} tokens", file=sys.stderr)
     cancel = threading.Event()
     try:
+        report = engine.session.prefill_document(
+            conversation.document_prefix_ids(tokenizer),
+            ProgressLine("prefill"),
+            cancel,
+            planned_tokens=len(prompt) + settings.generation.max_new_tokens,
+        )
+        _print_prefill_report(report)
         for piece in engine.session.ask(
             question, on_progress=ProgressLine("prefill"), cancel=cancel
         ):
@@ -91,6 +106,69 @@ def cmd_ask(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _print_prefill_report(report: PrefillReport) -> None:
+    for warning in report.warnings:
+        print(f"kvchat: warning: {warning}", file=sys.stderr)
+    if (restored := report.describe_restore()) is not None:
+        print(f"kvchat: {restored}", file=sys.stderr)
+    if report.saved is not None:
+        print(
+            f"kvchat: saved snapshot {report.saved.id} ({format_size(report.saved.size_bytes)}); "
+            "`kvchat cache list` shows them",
+            file=sys.stderr,
+        )
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    cap = _load(args).settings.cache.snapshot_max_gib
+    store = SnapshotStore(snapshot_dir(), int(cap * 2**30))
+    if args.action == "rm":
+        if not args.id:
+            raise SnapshotError("which snapshot? give its id, or a unique start of it")
+        info = store.remove(args.id)
+        print(f"removed {info.id} ({info.tokens:,} tokens, {format_size(info.size_bytes)})")
+    elif args.action == "clear":
+        removed = store.clear()
+        freed = format_size(sum(i.size_bytes for i in removed))
+        print(f"removed {_snapshots(len(removed))} ({freed}) from {store.directory}")
+    else:
+        entries = store.entries()
+        print(
+            _table(
+                [("ID", "TOKENS", "MODEL", "KV", "SIZE", "LAST USED")] + [_row(i) for i in entries]
+            )
+        )
+        total = format_size(sum(i.size_bytes for i in entries))
+        print(
+            f"{_snapshots(len(entries))}, {total} of {cap:g} GiB (cache.snapshot_max_gib) "
+            f"in {store.directory}"
+        )
+    return 0
+
+
+def _snapshots(n: int) -> str:
+    return f"{n} snapshot" + ("" if n == 1 else "s")
+
+
+def _row(info: SnapshotInfo) -> tuple[str, ...]:
+    model = f"unusable: {info.problem}" if info.problem else info.model_name
+    used = time.strftime("%Y-%m-%d %H:%M", time.localtime(info.last_used))
+    return (info.id, f"{info.tokens:,}", model, info.kv_type, format_size(info.size_bytes), used)
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    """Columns padded to their widest cell; the second (a count) right-aligned."""
+    widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [
+            cell.rjust(w) if c == 1 else cell.ljust(w)
+            for c, (cell, w) in enumerate(zip(row, widths, strict=True))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -117,6 +195,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             engine.settings.long_context,
             engine.model.dtype.itemsize,
             engine.model.nbytes,
+            engine.runtime_bytes,
         )
     )
     return 0
@@ -136,6 +215,13 @@ def _parse_contexts(text: str) -> list[int]:
     return sizes
 
 
+def _parse_size(text: str) -> int:
+    sizes = _parse_contexts(text)
+    if len(sizes) != 1 or sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"bad size {text!r}; use e.g. 32k or 32768")
+    return sizes[0]
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -153,11 +239,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         result = run_speed_bench(
             settings,
-            args.contexts,
+            args.contexts or _parse_contexts("1k,4k,8k"),
             model_spec=args.model,
             decode_tokens=args.decode_tokens,
             with_transformers=not args.no_transformers,
             compare_dense=args.compare_dense,
+            log=lambda msg: print(msg, file=sys.stderr),
+        )
+    elif args.what == "snapshot":
+        from kvchat.core.bench_snapshot import run_snapshot_bench
+
+        result = run_snapshot_bench(
+            settings,
+            args.tokens or 32 * 1024,
+            model_spec=args.model,
             log=lambda msg: print(msg, file=sys.stderr),
         )
     elif args.what == "passkey":
@@ -181,13 +276,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
             on_progress=progress,
             seed=args.seed,
         )
+    elif args.what == "gpu":
+        from kvchat.core.bench_gpu import GpuRequiredError, run_gpu_bench
+
+        try:
+            result = run_gpu_bench(
+                settings,
+                dry_run=args.dry_run,
+                contexts=tuple(args.contexts) if args.contexts else None,
+                decode_tokens=args.decode_tokens,
+                log=lambda msg: print(msg, file=sys.stderr),
+            )
+        except GpuRequiredError as e:
+            print(f"kvchat: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
     else:
         from kvchat.core.bench_tokenize import tokenize_benchmark
         from kvchat.core.tokenizer import load_tokenizer
         from kvchat.core.weights import resolve_model_path
 
         tokenizer = load_tokenizer(resolve_model_path(args.model or settings.model.path))
-        result = tokenize_benchmark(tokenizer, args.tokens)
+        result = tokenize_benchmark(tokenizer, args.tokens or 1_000_000)
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:
@@ -226,7 +335,12 @@ def cmd_app(args: argparse.Namespace) -> int:
         print(f"kvchat: warning: {warning}", file=sys.stderr)
     if args.prompt_file is not None:
         read_document(args.prompt_file)  # a bad file is refused here, before the app starts
-    KvchatApp(loaded.settings, model_spec=args.model, prompt_file=args.prompt_file).run()
+    KvchatApp(
+        loaded.settings,
+        model_spec=args.model,
+        prompt_file=args.prompt_file,
+        config_path=loaded.path,
+    ).run()
     return 0
 
 
@@ -266,18 +380,23 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan)
 
     bench = sub.add_parser("bench", parents=[common], help="benchmarks that print numbers and JSON")
-    bench.add_argument("what", choices=["speed", "tokenize", "passkey"])
+    bench.add_argument("what", choices=["speed", "tokenize", "passkey", "gpu", "snapshot"])
     bench.add_argument(
         "--contexts",
         type=_parse_contexts,
-        default=_parse_contexts("1k,4k,8k"),
-        help="context sizes for `speed`, e.g. 1k,4k,8k",
+        default=None,
+        help="context sizes for `speed` (default 1k,4k,8k) and `gpu` (default 32k,128k,1024k)",
     )
     bench.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per context")
     bench.add_argument(
         "--no-transformers", action="store_true", help="skip the transformers baseline in `speed`"
     )
-    bench.add_argument("--tokens", type=int, default=1_000_000, help="text size for `tokenize`")
+    bench.add_argument(
+        "--tokens",
+        type=_parse_size,
+        default=None,
+        help="text size for `tokenize` (default 1000000) and `snapshot` (default 32k)",
+    )
     bench.add_argument(
         "--lengths",
         type=_parse_contexts,
@@ -299,8 +418,20 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="LENGTHS",
         help="also run with dense attention at these sizes (passkey, speed), e.g. 4k,32k",
     )
+    bench.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="`gpu`: run every section on the CPU with tiny shapes and the Triton interpreter",
+    )
     bench.add_argument("--json", metavar="PATH", help="also write the result here")
     bench.set_defaults(func=cmd_bench)
+
+    cache = sub.add_parser(
+        "cache", parents=[common], help="KV snapshots on disk: list, remove one, remove all"
+    )
+    cache.add_argument("action", choices=["list", "rm", "clear"])
+    cache.add_argument("id", nargs="?", help="for rm: a snapshot id, or a unique start of one")
+    cache.set_defaults(func=cmd_cache)
     return parser
 
 

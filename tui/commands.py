@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvchat.config import KeySettings, schema_fields
+
 HELP = """\
 **Commands**
 
@@ -11,14 +13,39 @@ HELP = """\
 |---|---|
 | `/load PATH` | load a document (no PATH: open the file dialog) |
 | `/clear` | clear the chat and start over; the loaded document and its cache are kept |
+| `/settings` | edit the settings (every key of the config file) |
+| `/sessions` | resume a saved conversation (its document is reloaded if unchanged) |
+| `/export [PATH]` | save the conversation as Markdown (default: $KVCHAT_HOME/exports/) |
+| `/copy` | copy the last reply to the clipboard |
+| `/regenerate` | answer the last question again (a new seed when sampling) |
+| `/system PROMPT` | set the system prompt (no PROMPT: clear it) |
+| `/model [PATH]` | load another model (no PATH: the model of the settings, again) |
 | `/help` | this help |
 
-**Keys**: Enter sends, Shift+Enter or Ctrl+J starts a new line, Esc stops a prefill or a reply,
-Ctrl+O opens the file dialog, F2 shows or hides the panels, Ctrl+P lists every action,
-Ctrl+Q quits.
+**Keys**: Enter sends, Shift+Enter or Ctrl+J starts a new line, Ctrl+P lists every action,
+Ctrl+Q quits; and, as the `keys` settings bind them now:
 """
 
-NAMES = ("load", "clear", "help")
+NAMES = (
+    "load",
+    "clear",
+    "settings",
+    "sessions",
+    "export",
+    "copy",
+    "regenerate",
+    "system",
+    "model",
+    "help",
+)
+
+
+def keys_help(keys: KeySettings) -> str:
+    """A Markdown table of the remappable keys as `keys` binds them, with what each does."""
+    rows = [
+        f"| `{getattr(keys, spec.name)}` | {spec.help} |" for spec in schema_fields(KeySettings)
+    ]
+    return "| key | action |\n|---|---|\n" + "\n".join(rows) + "\n"
 
 
 @dataclass(frozen=True)

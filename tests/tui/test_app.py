@@ -6,63 +6,23 @@ session on it); only the first test lets the app load its own model in its worke
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from textual.pilot import Pilot
 from textual.widgets import Input
 
-from kvchat.config import Settings, load_settings
+from kvchat.config import Settings
 from kvchat.core.engine import Engine
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.messages import ReplyPiece, StepFinished
 from kvchat.tui.screens.load_file import LoadFileScreen
-from kvchat.tui.widgets.chat import STOPPED_MARK, ChatMessage, ChatPane
+from kvchat.tui.widgets.chat import STOPPED_MARK, ChatPane
 from kvchat.tui.widgets.status import StatusLine
 
-# Small enough to be quick, and a max_seq_len a test file can exceed cheaply.
-OVERRIDES = [
-    "generation.max_new_tokens=8",
-    "long_context.chunk_size=256",
-    "long_context.max_seq_len=8192",
-]
-# Async tests run on anyio's pytest plugin (installed with Textual), on asyncio only.
+from .conftest import NOTE, messages, notifications, wait_for, wait_idle
+
 pytestmark = pytest.mark.anyio
-
-NOTE = "The meeting is on Tuesday at the blue house. The blue house is on Elm Street.\n"
-
-
-@pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
-def settings() -> Settings:
-    return load_settings(overrides=OVERRIDES).settings
-
-
-@pytest.fixture(scope="module")
-def engine(settings: Settings) -> Engine:
-    return Engine.load(settings)
-
-
-async def wait_for(pilot: Pilot, condition: Callable[[], bool], timeout: float = 60.0) -> None:
-    """Let the app run until `condition` holds (the engine works in a thread meanwhile)."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError("timed out waiting for the app")
-        await pilot.pause(0.05)
-
-
-async def wait_idle(pilot: Pilot, app: KvchatApp) -> None:
-    await pilot.pause()
-    await wait_for(pilot, lambda: not app.busy)
-    await app.workers.wait_for_complete()
-    await pilot.pause()
 
 
 async def load_through_dialog(pilot: Pilot, app: KvchatApp, path: Path) -> None:
@@ -78,16 +38,8 @@ async def ask(pilot: Pilot, app: KvchatApp, question: str) -> None:
     await pilot.press("enter")
 
 
-def messages(app: KvchatApp, role: str) -> list[ChatMessage]:
-    return [m for m in app.query_one(ChatPane).query(ChatMessage) if m.role == role]
-
-
 def status_text(app: KvchatApp) -> str:
     return str(app.query_one(StatusLine).render())
-
-
-def notifications(app: KvchatApp) -> list[str]:
-    return [n.message for n in app._notifications]
 
 
 async def test_app_loads_its_own_model_in_the_worker(settings: Settings) -> None:

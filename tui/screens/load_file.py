@@ -23,7 +23,9 @@ class LoadFileScreen(ModalScreen[Path | None]):
     def compose(self) -> ComposeResult:
         with Vertical(id="load-dialog"):
             yield Label("Load a document: pick a file or type its path, then Enter")
-            yield DirectoryTree(self.root, id="load-tree")
+            tree = DirectoryTree(self.root, id="load-tree")
+            tree.root.set_label(home_relative(self.root))
+            yield tree
             yield Input(placeholder="path/to/file.txt", id="load-path")
 
     def on_mount(self) -> None:
@@ -40,3 +42,11 @@ class LoadFileScreen(ModalScreen[Path | None]):
 
     def action_cancel(self) -> None:
         self.dismiss(None)
+
+
+def home_relative(path: Path) -> str:
+    """`path` with the home folder shown as ~, as a shell prompt shows it."""
+    path, home = path.resolve(), Path.home().resolve()
+    if path.is_relative_to(home):
+        return str("~" / path.relative_to(home))
+    return str(path)

@@ -1,0 +1,66 @@
+"""What the pilot tests of the app share: small settings, one engine per module, waiting.
+
+The engine is loaded once per test module and shared by the app instances in it (each app
+starts a new session on it).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+from textual.pilot import Pilot
+
+from kvchat.config import Settings, load_settings
+from kvchat.core.engine import Engine
+from kvchat.tui.app import KvchatApp
+from kvchat.tui.widgets.chat import ChatMessage, ChatPane
+
+# Small enough to be quick, and a max_seq_len a test file can exceed cheaply.
+OVERRIDES = [
+    "generation.max_new_tokens=8",
+    "long_context.chunk_size=256",
+    "long_context.max_seq_len=8192",
+]
+NOTE = "The meeting is on Tuesday at the blue house. The blue house is on Elm Street.\n"
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> str:
+    """Async tests run on anyio's pytest plugin (installed with Textual), on asyncio only."""
+    return "asyncio"
+
+
+@pytest.fixture(scope="module")
+def settings() -> Settings:
+    return load_settings(overrides=OVERRIDES).settings
+
+
+@pytest.fixture(scope="module")
+def engine(settings: Settings) -> Engine:
+    return Engine.load(settings)
+
+
+async def wait_for(pilot: Pilot, condition: Callable[[], bool], timeout: float = 60.0) -> None:
+    """Let the app run until `condition` holds (the engine works in a thread meanwhile)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("timed out waiting for the app")
+        await pilot.pause(0.05)
+
+
+async def wait_idle(pilot: Pilot, app: KvchatApp) -> None:
+    await pilot.pause()
+    await wait_for(pilot, lambda: not app.busy)
+    await app.workers.wait_for_complete()
+    await pilot.pause()
+
+
+def messages(app: KvchatApp, role: str) -> list[ChatMessage]:
+    return [m for m in app.query_one(ChatPane).query(ChatMessage) if m.role == role]
+
+
+def notifications(app: KvchatApp) -> list[str]:
+    return [n.message for n in app._notifications]
