@@ -140,7 +140,7 @@ class GenerationSettings:
 @dataclass(frozen=True)
 class LongContextSettings:
     chunk_size: int = setting(
-        4096,
+        2048,
         "Prefill chunk in tokens: a long prompt goes through the model this many tokens at "
         "a time, which bounds the activation memory of prefill.",
         min=16,
@@ -162,7 +162,7 @@ class LongContextSettings:
         multiple_of=32,
     )
     local_windows_len: int = setting(
-        4096,
+        2048,
         "Local window: the last local_windows_len tokens are always attended to in full and "
         "kept on the compute device; a multiple of block_size.",
         min=128,
@@ -273,6 +273,45 @@ class UISettings:
 
 
 @dataclass(frozen=True)
+class KeySettings:
+    load_file: str = setting("ctrl+o", "Open the file dialog to load a document.")
+    stop: str = setting(
+        "escape", "Stop the running prefill or reply; the partial reply is kept, marked stopped."
+    )
+    toggle_panels: str = setting("f2", "Show or hide the live panels.")
+    clear_chat: str = setting("ctrl+l", "Clear the chat; the document stays cached.")
+    settings: str = setting("f3", "Open the settings screen.")
+    help: str = setting("f1", "Show the slash commands and the keys.")
+    sessions: str = setting("f4", "Open the saved conversations to resume one.")
+    regenerate: str = setting("ctrl+r", "Answer the last question again, in place of its reply.")
+    copy_reply: str = setting("ctrl+t", "Copy the last reply to the clipboard.")
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    snapshots: bool = setting(
+        True,
+        "Save the KV cache of a long document prefill under $KVCHAT_HOME/cache/snapshots and "
+        "load it, instead of prefilling again, whenever the same model and cache settings meet "
+        "a text that starts with the same tokens.",
+    )
+    snapshot_min_tokens: int = setting(
+        16_384,
+        "Save a snapshot only after a prefill of at least this many tokens (shorter prefills "
+        "are quick to redo).",
+        min=1,
+        max=4_194_304,
+    )
+    snapshot_max_gib: float = setting(
+        20.0,
+        "Disk space the snapshots may take in all, in GiB; the least recently used are deleted "
+        "to make room.",
+        min=0.1,
+        max=1_000_000.0,
+    )
+
+
+@dataclass(frozen=True)
 class Settings:
     model: ModelSettings = section(ModelSettings, "Which model to load and where it runs.")
     generation: GenerationSettings = section(GenerationSettings, "How answers are sampled.")
@@ -281,6 +320,12 @@ class Settings:
         "The block-sparse KV cache, with KTransformers' long_context keys and meanings.",
     )
     ui: UISettings = section(UISettings, "The terminal app.")
+    keys: KeySettings = section(
+        KeySettings, "Key bindings in Textual's names (ctrl+o, f2, escape), several with commas."
+    )
+    cache: CacheSettings = section(
+        CacheSettings, "KV snapshots on disk: a long prefill is done once, then loaded."
+    )
 
 
 def schema_fields(section_cls: type) -> list[FieldSpec]:
@@ -303,3 +348,20 @@ def schema_fields(section_cls: type) -> list[FieldSpec]:
 def sections() -> list[tuple[str, type, str]]:
     """(name, section class, help) for every section of Settings, in file order."""
     return [(f.name, f.type, f.metadata["help"]) for f in dataclasses.fields(Settings)]
+
+
+def changed_keys(old: Settings, new: Settings) -> list[str]:
+    """The `section.key` names whose values differ between `old` and `new`, in file order."""
+    return [
+        f"{name}.{spec.name}"
+        for name, cls, _ in sections()
+        for spec in schema_fields(cls)
+        if getattr(getattr(old, name), spec.name) != getattr(getattr(new, name), spec.name)
+    ]
+
+
+def replace_key(settings: Settings, key: str, value: Any) -> Settings:
+    """A copy of `settings` with `section.key` set to `value` (not validated here)."""
+    section_name, name = key.split(".")
+    section_value = dataclasses.replace(getattr(settings, section_name), **{name: value})
+    return dataclasses.replace(settings, **{section_name: section_value})

@@ -78,7 +78,7 @@ def test_no_overrides_and_later_overrides_win():
         ),
         (
             "long_context.block_size=96",
-            "--set long_context.block_size=96: long_context.local_windows_len = 4096: "
+            "--set long_context.block_size=96: long_context.local_windows_len = 2048: "
             "expected a multiple of long_context.block_size (96)",
         ),
     ],

@@ -83,7 +83,7 @@ def test_save_adds_missing_keys_and_sections_with_comments(write_config):
         "# written by kvchat 0.0.9\nmodel:\n  path: /models/qwen.gguf  # the big one\n"
     )
     assert "  kv_type: INT8\n" in saved
-    for line in ("  dtype: auto", "  chunk_size: 4096", "generation:", "ui:", "  theme: dark"):
+    for line in ("  dtype: auto", "  chunk_size: 2048", "generation:", "ui:", "  theme: dark"):
         assert line in saved.splitlines()
     assert "# Tokens per KV cache block" in saved  # added keys come with their comments
     reloaded = load_settings()
@@ -201,7 +201,7 @@ def test_save_changes_writes_only_what_changed(home):
 def test_save_changes_refuses_a_file_the_change_breaks(home):
     path = load_settings().path
     small = default_yaml().replace("  max_seq_len: 131072", "  max_seq_len: 2048")
-    path.write_text(small.replace("  chunk_size: 4096", "  chunk_size: 1024"))
+    path.write_text(small.replace("  chunk_size: 2048", "  chunk_size: 1024"))
     before = path.read_bytes()
     # The run raised max_seq_len by --set; a larger chunk_size fits the run, not the file.
     old = load_settings(overrides=["long_context.max_seq_len=8192"]).settings

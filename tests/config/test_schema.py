@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 
 from kvchat.config import (
+    CacheSettings,
     GenerationSettings,
+    KeySettings,
     LongContextSettings,
     ModelSettings,
     Settings,
@@ -25,7 +27,14 @@ from kvchat.config.store import default_yaml
 from kvchat.config.validate import coerce
 from kvchat.config.yamltext import parse
 
-SECTION_CLASSES = [ModelSettings, GenerationSettings, LongContextSettings, UISettings]
+SECTION_CLASSES = [
+    ModelSettings,
+    GenerationSettings,
+    LongContextSettings,
+    UISettings,
+    KeySettings,
+    CacheSettings,
+]
 ALL_SPECS = [(name, spec) for name, cls, _ in sections() for spec in schema_fields(cls)]
 SPEC_IDS = [f"{name}.{spec.name}" for name, spec in ALL_SPECS]
 
@@ -40,8 +49,15 @@ def _comment_above(lines: list[str], index: int) -> str:
     return " ".join(parts)
 
 
-def test_sections_are_the_four_in_file_order():
-    assert [name for name, _, _ in sections()] == ["model", "generation", "long_context", "ui"]
+def test_sections_are_the_six_in_file_order():
+    assert [name for name, _, _ in sections()] == [
+        "model",
+        "generation",
+        "long_context",
+        "ui",
+        "keys",
+        "cache",
+    ]
     assert [cls for _, cls, _ in sections()] == SECTION_CLASSES
 
 
@@ -135,10 +151,10 @@ def test_defaults_are_the_documented_ones():
     )
     assert dataclasses.astuple(s.generation) == (512, 0.0, 1.0, 0, 1.0, 0)
     assert dataclasses.astuple(s.long_context) == (
-        4096,
+        2048,
         131072,
         128,
-        4096,
+        2048,
         32,
         0,
         "DYNAMIC",
@@ -154,6 +170,18 @@ def test_defaults_are_the_documented_ones():
         "auto",
     )
     assert dataclasses.astuple(s.ui) == ("dark", 4.0, True)
+    assert dataclasses.asdict(s.keys) == {
+        "load_file": "ctrl+o",
+        "stop": "escape",
+        "toggle_panels": "f2",
+        "clear_chat": "ctrl+l",
+        "settings": "f3",
+        "help": "f1",
+        "sessions": "f4",
+        "regenerate": "ctrl+r",
+        "copy_reply": "ctrl+t",
+    }
+    assert dataclasses.astuple(s.cache) == (True, 16384, 20.0)
 
 
 def test_settings_are_frozen():

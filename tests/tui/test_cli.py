@@ -140,7 +140,7 @@ def test_config_subcommands(tmp_path, capsys):
     assert cfg.exists()
     assert main(["config", "show", "--config", str(cfg), "--set", "generation.seed=5"]) == 0
     assert "seed: 5" in capsys.readouterr().out
-    cfg.write_text(cfg.read_text().replace("chunk_size: 4096", "chunk_size: -3"))
+    cfg.write_text(cfg.read_text().replace("chunk_size: 2048", "chunk_size: -3"))
     assert main(["config", "validate", "--config", str(cfg)]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "long_context.chunk_size" in err and "-3" in err and str(cfg) in err

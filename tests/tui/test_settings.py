@@ -76,7 +76,7 @@ async def test_invalid_values_are_marked_and_refused_valid_ones_saved_and_applie
         # A value valid alone that breaks a rule with another key marks that rule's key.
         await set_value(pilot, screen, "long_context.block_size", "96")
         assert marked(screen) == {"long_context--local_windows_len"}
-        assert "local_windows_len = 4096: expected a multiple of" in message(screen)
+        assert "local_windows_len = 2048: expected a multiple of" in message(screen)
         await set_value(pilot, screen, "long_context.block_size", "128")
         await set_value(pilot, screen, "long_context.second_select_num", "many")
         assert 'second_select_num = "many": expected an integer' in message(screen)
@@ -102,7 +102,7 @@ async def test_invalid_values_are_marked_and_refused_valid_ones_saved_and_applie
         assert saved["long_context"]["second_select_num"] == 8
         assert saved["generation"]["max_new_tokens"] == 5
         assert saved["model"]["dtype"] == "float32"
-        assert saved["long_context"]["chunk_size"] == 4096  # the --set override stays out
+        assert saved["long_context"]["chunk_size"] == 2048  # the --set override stays out
         assert config.read_text().startswith("# kvchat settings.")  # comments kept
         engine = app.engine
         assert engine is not None
