@@ -35,18 +35,9 @@ pytestmark = pytest.mark.anyio
 
 
 @pytest.fixture(scope="module")
-def anyio_backend() -> str:
-    return "asyncio"
-
-
-@pytest.fixture(scope="module")
 def settings() -> Settings:
+    """Overrides the shared fixture (tests/tui/conftest.py): room for a 200K-token file."""
     return load_settings(overrides=OVERRIDES).settings
-
-
-@pytest.fixture(scope="module")
-def engine(settings: Settings) -> Engine:
-    return Engine.load(settings)
 
 
 @pytest.fixture
