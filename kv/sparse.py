@@ -469,9 +469,10 @@ class SparseBackend(AttentionBackend):
             first, last = _SINK_BLOCKS - lead, self._n_anchored
             return st.k_pool.span(self.n_kv, first, last), st.v_pool.span(self.n_kv, first, last)
         per_head = blocks if blocks.dim() == 2 else blocks.unsqueeze(0).expand(self.n_kv, -1)
-        self.device_cache.touch(layer, (self._head_base + per_head).reshape(-1).tolist())
-        ids = torch.cat([torch.zeros(self.n_kv, lead, dtype=torch.long), per_head], dim=1)
-        slots = (self._head_base + ids).reshape(-1)
+        selected = self._head_base + per_head
+        self.device_cache.touch(layer, selected.reshape(-1).tolist())
+        # Each head's sink block (block 0) leads its run; _head_base is exactly those slots.
+        slots = (torch.cat([self._head_base, selected], dim=1) if lead else selected).reshape(-1)
         gk, gv = self._gather_buffer(len(slots))
         k = st.k_pool.gather(slots, gk).view(self.n_kv, -1, self.head_dim)
         v = st.v_pool.gather(slots, gv).view(self.n_kv, -1, self.head_dim)
