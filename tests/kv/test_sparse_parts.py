@@ -155,6 +155,26 @@ def test_extrapolate_mode_keeps_positions_in_range(tiny):
     assert cache.stats().position_mode == "extrapolate"
 
 
+def test_extrapolate_window_reload_matches_a_fresh_prefill(tiny):
+    # Truncating below the window buffer reloads it from the store (unrotated keys), rotating
+    # them again at their absolute positions.
+    settings = small_settings(dense_layer_num=0)
+    cache = sparse_cache(tiny, settings, position_mode="extrapolate")
+    run(tiny, cache, _ids(), 64)
+    cache.truncate(320)
+    fresh = sparse_cache(tiny, settings, position_mode="extrapolate")
+    run(tiny, fresh, _ids()[:320], 64)
+    start = cache._window_start_at(320)
+    for st, want in zip(cache._layers, fresh._layers, strict=True):
+        got_cols = slice(start - cache._win_base, 320 - cache._win_base)
+        want_cols = slice(start - fresh._win_base, 320 - fresh._win_base)
+        torch.testing.assert_close(st.win_k[:, got_cols], want.win_k[:, want_cols])
+        torch.testing.assert_close(st.win_store_k[:, got_cols], want.win_store_k[:, want_cols])
+    # As in test_truncate_then_continue_equals_fresh: equal up to summation order.
+    got, want = tiny.forward(torch.tensor([9]), cache), tiny.forward(torch.tensor([9]), fresh)
+    assert (got - want).abs().max().item() < 1e-4
+
+
 @pytest.mark.parametrize("kv_type", ["FP16", "INT8", "INT4"])
 def test_decode_read_bytes_counts_what_a_step_reads(tiny, kv_type):
     # TINY: 4 layers, 2 KV heads x 32 dims, fp32. Window 128, blocks of 32, 4 selected,
