@@ -160,8 +160,9 @@ class SparseBackend(AttentionBackend):
         self.tier: DeviceBlockTier | None = None
         self.device_cache: DeviceBlockCache | DeviceBlockTier
         if self.ops is TORCH_OPS:
+            group = n_kv_heads if lc.head_select_mode == "SHARED" else 1
             self.device_cache = DeviceBlockCache(
-                n_layers, self._device_slots(), 2 * first.bytes_per_slot
+                n_layers, self._device_slots(), 2 * first.bytes_per_slot, group
             )
         else:
             self.tier = DeviceBlockTier(
@@ -425,7 +426,7 @@ class SparseBackend(AttentionBackend):
         candidates = self._candidates(st)
         if lc.second_select_num == 0 or len(candidates) == 0:
             return None
-        query = q_far.float().mean(dim=1)
+        query = q_far[:, 0].float() if decoding else q_far.float().mean(dim=1)
         if self.tier is None:
             # Without preselection the candidates are one run of blocks: score their anchors
             # in place instead of copying them (a copy of every anchor, per layer, per token).
@@ -472,7 +473,10 @@ class SparseBackend(AttentionBackend):
             return st.k_pool.span(self.n_kv, first, last), st.v_pool.span(self.n_kv, first, last)
         per_head = blocks if blocks.dim() == 2 else blocks.unsqueeze(0).expand(self.n_kv, -1)
         selected = self._head_base + per_head
-        self.device_cache.touch(layer, selected.reshape(-1).tolist())
+        # SHARED: one selection for every head, so its block ids are the cache's keys (each
+        # the group of its heads' slots); SEPARATE: the slots themselves.
+        keys = blocks if self.lc.head_select_mode == "SHARED" else selected
+        self.device_cache.touch(layer, keys.reshape(-1).tolist())
         # Each head's sink block (block 0) leads its run; _head_base is exactly those slots.
         slots = (torch.cat([self._head_base, selected], dim=1) if lead else selected).reshape(-1)
         gk, gv = self._gather_buffer(len(slots))
