@@ -23,6 +23,9 @@ USABLE_FRACTION = 0.85
 # Kernel scratch, thread pools and malloc arenas a long prefill leaves behind: measured ~40 MiB
 # over the cache itself for a 1M-token run (tests/kv/test_million.py).
 RUNTIME_BYTES = 64 * 1024**2
+# The prompt's token ids as Python lists (the conversation's, the session's, the pass's):
+# a 28-byte int object each, shared, plus an 8-byte slot in each list.
+TOKEN_ID_BYTES = 64
 PLAN_SIZES = (4096, 32768, 65536, 131072, 524288, 1048576)
 
 
@@ -39,7 +42,7 @@ class MemoryPlan:
     kv_bytes: int  # keys and values: the DRAM block store (sparse) or the whole cache (dense)
     anchor_bytes: int
     resident_bytes: int  # kept on the compute device: sinks, local window, gather buffers
-    activation_bytes: int  # transient tensors of one prefill chunk, runtime scratch
+    activation_bytes: int  # transient tensors of one prefill chunk, token ids, runtime scratch
     available_bytes: int  # host memory available now
     allocated_bytes: int = 0  # already held by the current cache
     runtime_bytes: int = 0  # the process besides weights and cache: interpreter, libraries
@@ -87,8 +90,10 @@ def plan_memory(
 ) -> MemoryPlan:
     layers, kv_heads, dim = cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
     qkv = (cfg.num_heads + 2 * kv_heads) * dim
-    activation = RUNTIME_BYTES + 4 * lc.chunk_size * (
-        4 * cfg.hidden_size + 3 * cfg.intermediate_size + 3 * qkv
+    activation = (
+        RUNTIME_BYTES
+        + TOKEN_ID_BYTES * n_tokens
+        + 4 * lc.chunk_size * (4 * cfg.hidden_size + 3 * cfg.intermediate_size + 3 * qkv)
     )
     if lc.attention == "dense":
         kv = n_tokens * 2 * layers * kv_heads * dim * itemsize

@@ -8,7 +8,13 @@ import pytest
 
 from kvchat.config import LongContextSettings
 from kvchat.core.model_config import ModelConfig
-from kvchat.core.plan import RUNTIME_BYTES, PlanRefusedError, plan_memory, plan_table
+from kvchat.core.plan import (
+    RUNTIME_BYTES,
+    TOKEN_ID_BYTES,
+    PlanRefusedError,
+    plan_memory,
+    plan_table,
+)
 
 SMOL = ModelConfig(
     architecture="llama",
@@ -66,6 +72,9 @@ def test_anchor_and_resident_bytes():
     gather = 2 * 3 * 32 * 128 * 64 * 2  # dense layers gather all 32 blocks; 32 = select too
     assert p.resident_bytes == 30 * 3 * window * (3 * 64 * 2 + 4) + sinks + gather
     assert p.activation_bytes > RUNTIME_BYTES
+    # The prompt's token ids grow with the context; the chunk's temporaries do not.
+    longer = plan_memory(SMOL, SPARSE, 4096 + 1000, 2, 0, 100 * GIB)
+    assert longer.activation_bytes == p.activation_bytes + 1000 * TOKEN_ID_BYTES
 
 
 def test_runtime_counts_in_the_total_but_is_not_needed_again():
