@@ -57,11 +57,11 @@ def _bench_ours(
     token = int(logits.argmax())
     read_bytes = 0
     with torch.inference_mode():
-        for _ in range(WARMUP_TOKENS):
-            token = int(engine.model.forward(torch.tensor([token]), session.cache)[-1].argmax())
-        started = time.perf_counter()
-        for _ in range(decode_tokens):
-            read_bytes += session.cache.decode_read_bytes() + engine.model.decode_read_bytes
+        for step in range(WARMUP_TOKENS + decode_tokens):
+            if step == WARMUP_TOKENS:
+                started = time.perf_counter()
+            if step >= WARMUP_TOKENS:
+                read_bytes += session.cache.decode_read_bytes() + engine.model.decode_read_bytes
             token = int(engine.model.forward(torch.tensor([token]), session.cache)[-1].argmax())
     decode_s = time.perf_counter() - started
     plan = engine.plan(len(ids) + WARMUP_TOKENS + decode_tokens)
@@ -103,12 +103,9 @@ def _bench_transformers(model, ids: list[int], decode_tokens: int) -> dict[str, 
         prefill_s = time.perf_counter() - started
         past = out.past_key_values
         token = out.logits[0, -1].argmax().view(1, 1)
-        for _ in range(WARMUP_TOKENS):
-            out = model(token, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            token = out.logits[0, -1].argmax().view(1, 1)
-        started = time.perf_counter()
-        for _ in range(decode_tokens):
+        for step in range(WARMUP_TOKENS + decode_tokens):
+            if step == WARMUP_TOKENS:
+                started = time.perf_counter()
             out = model(token, past_key_values=past, use_cache=True)
             past = out.past_key_values
             token = out.logits[0, -1].argmax().view(1, 1)
