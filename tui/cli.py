@@ -232,6 +232,21 @@ def _positive(text: str) -> int:
     return value
 
 
+def _parse_depths(text: str) -> int | list[float]:
+    """A count of evenly spaced depths ("5") or the depths themselves ("0.25,0.5,0.75")."""
+    if "," not in text and "." not in text:
+        return _positive(text)
+    try:
+        depths = [float(part) for part in text.split(",")]
+    except ValueError:
+        depths = []
+    if not depths or not all(0.0 <= d <= 1.0 for d in depths):
+        raise argparse.ArgumentTypeError(
+            f"expected a count (5) or depths between 0 and 1 (0.25,0.5), not {text!r}"
+        )
+    return depths
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     settings = _load(args).settings
     if args.what == "speed":
@@ -405,9 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--depths",
-        type=_positive,
+        type=_parse_depths,
         default=5,
-        help="evenly spaced key depths for `passkey` (0 to 1)",
+        help="key depths for `passkey`: a count, evenly spaced from 0 to 1 (5), or the "
+        "depths themselves (0.25,0.5,0.75)",
     )
     bench.add_argument("--trials", type=_positive, default=1, help="keys per cell for `passkey`")
     bench.add_argument("--seed", type=int, default=0, help="seed of the keys for `passkey`")

@@ -10,7 +10,7 @@ from kvchat.config import load_settings
 from kvchat.core.bench_passkey import cell_passkey, depth_grid, run_passkey_bench
 from kvchat.core.engine import Engine
 from kvchat.core.plan import PlanRefusedError
-from kvchat.tui.cli import main
+from kvchat.tui.cli import _parse_depths, main
 
 
 @pytest.fixture(scope="module")
@@ -135,3 +135,16 @@ def test_cli_rejects_zero_depths(capsys):
         main(["bench", "passkey", "--depths", "0"])
     assert exc.value.code == 2
     assert "at least 1" in capsys.readouterr().err
+
+
+def test_cli_takes_depths_as_a_count_or_a_list():
+    assert _parse_depths("3") == 3
+    assert _parse_depths("0.25,0.5,0.75") == [0.25, 0.5, 0.75]
+    assert _parse_depths("0.5") == [0.5]
+
+
+def test_cli_rejects_depths_outside_zero_to_one(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "passkey", "--depths", "0.5,1.5"])
+    assert exc.value.code == 2
+    assert "between 0 and 1" in capsys.readouterr().err
