@@ -157,7 +157,7 @@ def test_defaults_are_the_documented_ones():
         2048,
         32,
         0,
-        "DYNAMIC",
+        "QUEST",
         "FP16",
         0,
         1,

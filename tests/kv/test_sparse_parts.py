@@ -188,7 +188,7 @@ def test_decode_read_bytes_counts_what_a_step_reads(tiny, kv_type):
     slot = {"FP16": 32 * 32 * 4, "INT8": 32 * (32 + 2), "INT4": 32 * (16 + 4)}[kv_type]
     window = (701 - 544) * full
     gathered = 2 * 2 * slot + 2 * 32 * full  # per block: store read, buffer write + read
-    anchors = 16 * 2 * 1 * 32 * 4  # DYNAMIC, anchor_num 1: one fp32 key per block and head
+    anchors = 16 * 2 * 2 * 32 * 4  # QUEST: fp32 min and max keys per block and head
     dense_layer = 17 * 32 * full if kv_type == "FP16" else 17 * gathered
     sparse_layer = 5 * gathered + anchors
     assert cache.decode_read_bytes() == 4 * window + dense_layer + 3 * sparse_layer
