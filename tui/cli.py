@@ -236,15 +236,12 @@ def _parse_depths(text: str) -> int | list[float]:
     """A count of evenly spaced depths ("5") or the depths themselves ("0.25,0.5,0.75")."""
     if "," not in text and "." not in text:
         return _positive(text)
+    from kvchat.core.bench_passkey import depth_grid
+
     try:
-        depths = [float(part) for part in text.split(",")]
-    except ValueError:
-        depths = []
-    if not depths or not all(0.0 <= d <= 1.0 for d in depths):
-        raise argparse.ArgumentTypeError(
-            f"expected a count (5) or depths between 0 and 1 (0.25,0.5), not {text!r}"
-        )
-    return depths
+        return depth_grid([float(part) for part in text.split(",")])
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"bad depths {text!r}: {e}") from None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
