@@ -8,15 +8,18 @@ compositions of them); the Triton ones live in kv/triton/ and are imported only 
 so kvchat imports and runs without Triton installed.
 
 The torch reference runs on the CPU only (kv/attention.py calls the CPU flash kernel), so CUDA
-always gets the Triton kernels. The environment variable KVCHAT_ATTENTION_OPS (auto, torch,
-triton; read here and nowhere else) forces a choice: `triton` on a CPU with TRITON_INTERPRET=1
-runs the kernels in the interpreter, which is how the CPU tests drive the GPU code path.
+always gets the Triton kernels. On the CPU, `auto` also uses the C++ decode kernel
+(kv/cpu_kernel.py) for the block-sparse cache's decode steps, where it builds. The environment
+variable KVCHAT_ATTENTION_OPS (auto, torch, triton; read here and nowhere else) forces a
+choice: `torch` is the reference alone; `triton` on a CPU with TRITON_INTERPRET=1 runs the
+kernels in the interpreter, which is how the CPU tests drive the GPU code path.
 """
 
 from __future__ import annotations
 
 import os
 from functools import cache
+from types import ModuleType
 from typing import Protocol
 
 import torch
@@ -241,13 +244,7 @@ def attention_ops(device: torch.device | str, backend: str | None = None) -> Att
     and triton on a CPU needs TRITON_INTERPRET=1 set before the first kernel module is
     imported (the interpreter is for tests and dry runs: slow, and wrong in bf16).
     """
-    source = "backend"
-    if backend is None:
-        source, backend = OPS_ENV, os.environ.get(OPS_ENV) or "auto"
-    if backend not in OPS_BACKENDS:
-        raise ValueError(
-            f"unknown ops backend {backend!r} ({source}); choose one of {OPS_BACKENDS}"
-        )
+    source, backend = _resolve(backend)
     device = torch.device(device)
     if device.type == "cuda" and backend == "torch":
         raise RuntimeError(
@@ -266,3 +263,24 @@ def attention_ops(device: torch.device | str, backend: str | None = None) -> Att
     from .triton.ops import TRITON_OPS
 
     return TRITON_OPS
+
+
+def cpu_decode_kernel(device: torch.device | str, backend: str | None = None) -> ModuleType | None:
+    """The C++ decode kernel when `backend` resolves to auto on a CPU and the kernel builds."""
+    if torch.device(device).type != "cpu" or _resolve(backend)[1] != "auto":
+        return None
+    from . import cpu_kernel
+
+    return cpu_kernel.load()
+
+
+def _resolve(backend: str | None) -> tuple[str, str]:
+    """(where the choice came from, the backend), checked."""
+    source = "backend"
+    if backend is None:
+        source, backend = OPS_ENV, os.environ.get(OPS_ENV) or "auto"
+    if backend not in OPS_BACKENDS:
+        raise ValueError(
+            f"unknown ops backend {backend!r} ({source}); choose one of {OPS_BACKENDS}"
+        )
+    return source, backend

@@ -20,7 +20,9 @@ window keeps exact relative positions.
 
 Compute, by the ops kv/kernels.py picks for the device:
 - torch (the CPU): blocks are gathered (dequantized) from the store into a buffer and read
-  with the torch attention; the device block cache only counts what a GPU would copy.
+  with the torch attention; the device block cache only counts what a GPU would copy. A decode
+  step runs the C++ kernel (kv/cpu_kernel.py) instead where it builds: it reads the window,
+  the sinks and FP16 blocks in place (quantized blocks from the gather buffer), in one pass.
 - Triton (CUDA; the CPU under TRITON_INTERPRET=1, for tests): window, sinks, anchors and
   received attention live on the device, the store stays in host DRAM, and the selected
   blocks are copied into a DeviceBlockTier (kv/cuda_tier.py), from whose slots one
@@ -35,12 +37,13 @@ import torch
 
 from kvchat.config import LongContextSettings
 
+from . import cpu_kernel
 from .anchors import anchor_rows, block_anchors
 from .attention import chunk_attention, decode_attention
 from .backend import AttentionBackend, CacheStats, LayerStats, check_capacity
 from .cuda_tier import DeviceBlockTier
 from .device_cache import DeviceBlockCache
-from .kernels import TORCH_OPS, attention_ops
+from .kernels import TORCH_OPS, attention_ops, cpu_decode_kernel
 from .positions import RopeTables, rotate
 from .quant import BlockPool
 from .selection import preselect_vote, score_blocks, select_top
@@ -115,6 +118,14 @@ class SparseBackend(AttentionBackend):
         self.win_cap = window_capacity(lc)
         rows = anchor_rows(lc.anchor_type)
         self.ops = attention_ops(self.device, ops_backend)
+        # DYNAMIC anchors need the window's attention probabilities, which the kernel does
+        # not return.
+        self._decode_kernel = (
+            lc.anchor_type != "DYNAMIC"
+            and dtype in (torch.bfloat16, torch.float32)
+            and head_dim in (32, 64, 128, 256)
+            and cpu_decode_kernel(self.device, ops_backend) is not None
+        )
 
         def window_buffer() -> torch.Tensor:
             # Stored token-major, [win_cap, n_kv, D], and used through this [n_kv, win_cap, D]
@@ -252,6 +263,8 @@ class SparseBackend(AttentionBackend):
         q_far = qa if self.position_mode == "native" else rotate(q, self._far_cos, self._far_sin)
         ws = self._window_start - self._win_base
         sinks = self._window_start >= _SINK_BLOCKS * self.block
+        if n == 1 and self._decode_kernel:
+            return self._decode_in_place(layer, st, qa, q_far, ws, o + 1, sinks)
         if self.tier is not None:
             sink_k = st.sink_k if sinks else st.sink_k[:, :0]
             sink_v = st.sink_v if sinks else st.sink_v[:, :0]
@@ -452,6 +465,63 @@ class SparseBackend(AttentionBackend):
         st.selection_age = 1 if decoding else lc.token_step
         return st.selection
 
+    def _decode_in_place(
+        self,
+        layer: int,
+        st: _LayerState,
+        qa: torch.Tensor,
+        q_far: torch.Tensor,
+        ws: int,
+        end: int,
+        sinks: bool,
+    ) -> torch.Tensor:
+        """A decode step's attention by the CPU kernel: the window (columns ws..end of the
+        token-major buffer, read with qa), the sinks and the retrieved blocks (read with q_far)
+        in one softmax."""
+        b, dim, n_kv = self.block, self.head_dim, self.n_kv
+        heads = torch.arange(n_kv).unsqueeze(1)
+        # The window buffer is [win_cap, n_kv, D] underneath: head h's token t is row t*n_kv + h.
+        window = (
+            st.win_k.transpose(0, 1),
+            st.win_v.transpose(0, 1),
+            0,
+            n_kv * dim,
+            end - ws,
+            (ws * n_kv + heads) * dim,
+        )
+        sets = [window]
+        if st.k_pool.kv_type != "FP16":
+            # Quantized blocks are dequantized into the gather buffer first (sinks included).
+            k, v = self._retrieve(layer, st, q_far, sinks)
+            if k.shape[1]:
+                sets.append((k, v, 1, dim, k.shape[1], heads * k.shape[1] * dim))
+            return cpu_kernel.decode_attention(qa, q_far, sets, n_kv)
+        if sinks:
+            sets.append((st.sink_k, st.sink_v, 1, dim, b, heads * b * dim))
+        blocks = self._select(layer, st, q_far)
+        self._last_selection[layer] = blocks
+        pool_k, pool_v = st.k_pool.storage, st.v_pool.storage
+        if blocks is not None and layer < self.lc.dense_layer_num:
+            # Every candidate: one run per head, like _retrieve's in-place span.
+            rows = (self._n_anchored - _SINK_BLOCKS) * b
+            starts = (self._head_base + _SINK_BLOCKS) * b * dim
+            sets.append((pool_k, pool_v, 1, dim, rows, starts))
+        elif blocks is not None and blocks.shape[-1]:
+            slots = self._count_reads(layer, blocks)
+            sets.append((pool_k, pool_v, 1, dim, b, slots * b * dim))
+        return cpu_kernel.decode_attention(qa, q_far, sets, n_kv)
+
+    def _count_reads(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
+        """Store slots [n_kv, k] of `blocks` ([k] shared or [n_kv, k]), counted by the device
+        cache as read by `layer` now."""
+        per_head = blocks if blocks.dim() == 2 else blocks.unsqueeze(0).expand(self.n_kv, -1)
+        selected = self._head_base + per_head
+        # SHARED: one selection for every head, so its block ids are the cache's keys (each
+        # the group of its heads' slots); SEPARATE: the slots themselves.
+        keys = blocks if self.lc.head_select_mode == "SHARED" else selected
+        self.device_cache.touch(layer, keys.reshape(-1).tolist())
+        return selected
+
     def _retrieve(
         self, layer: int, st: _LayerState, q_far: torch.Tensor, sinks: bool
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -471,12 +541,7 @@ class SparseBackend(AttentionBackend):
             # of what may be the whole context); the sinks are the run's first block.
             first, last = _SINK_BLOCKS - lead, self._n_anchored
             return st.k_pool.span(self.n_kv, first, last), st.v_pool.span(self.n_kv, first, last)
-        per_head = blocks if blocks.dim() == 2 else blocks.unsqueeze(0).expand(self.n_kv, -1)
-        selected = self._head_base + per_head
-        # SHARED: one selection for every head, so its block ids are the cache's keys (each
-        # the group of its heads' slots); SEPARATE: the slots themselves.
-        keys = blocks if self.lc.head_select_mode == "SHARED" else selected
-        self.device_cache.touch(layer, keys.reshape(-1).tolist())
+        selected = self._count_reads(layer, blocks)
         # Each head's sink block (block 0) leads its run; _head_base is exactly those slots.
         slots = (torch.cat([self._head_base, selected], dim=1) if lead else selected).reshape(-1)
         gk, gv = self._gather_buffer(len(slots))
@@ -555,8 +620,9 @@ class SparseBackend(AttentionBackend):
 
     def decode_read_bytes(self) -> int:
         """The window in place; the sink block and the selected blocks read in kv_type (from
-        the store, then from the gather buffer they are dequantized into, on the torch path;
-        from the tier's slots, once, by the kernels); every candidate's anchors scored."""
+        the store, then from the gather buffer they are dequantized into, on the torch path
+        and for quantized blocks on the CPU kernel's; once otherwise); every candidate's
+        anchors scored."""
         lc = self.lc
         window_start = self._window_start_at(self._length)
         full = 2 * self.n_kv * self.head_dim * self.dtype.itemsize  # K and V of one token
@@ -566,7 +632,10 @@ class SparseBackend(AttentionBackend):
         slot = self._layers[0].k_pool.bytes_per_slot
         anchor = self._layers[0].anchors[0].numel() * 4
         in_place = lc.kv_type == "FP16" and self.tier is None  # see _retrieve
-        gathered = 0 if self.tier is not None else 2 * self.block * full
+        # The torch path writes what it gathers to a buffer and reads it again; the kernels
+        # read blocks where they are, but the CPU kernel reads quantized ones dequantized.
+        copied = self.tier is None and not (self._decode_kernel and lc.kv_type == "FP16")
+        gathered = 2 * self.block * full if copied else 0
         total = 0
         for layer in range(self.n_layers):
             total += window

@@ -180,14 +180,17 @@ def test_decode_read_bytes_counts_what_a_step_reads(tiny, kv_type):
     # TINY: 4 layers, 2 KV heads x 32 dims, fp32. Window 128, blocks of 32, 4 selected,
     # layer 0 dense. After 700 tokens the next step's window starts at 544 (a block
     # boundary <= 701 - 128): 157 window tokens in place; the sink block and the selected
-    # blocks are gathered; blocks 1..16 are candidates.
+    # blocks are read (FP16 blocks in place by the CPU kernel, else gathered); blocks 1..16
+    # are candidates.
     settings = small_settings(kv_type=kv_type)
     cache = sparse_cache(tiny, settings)
     run(tiny, cache, _ids(), 64)
     full = 2 * 2 * 32 * 4  # K and V of one token, fp32
     slot = {"FP16": 32 * 32 * 4, "INT8": 32 * (32 + 2), "INT4": 32 * (16 + 4)}[kv_type]
     window = (701 - 544) * full
-    gathered = 2 * 2 * slot + 2 * 32 * full  # per block: store read, buffer write + read
+    in_place = kv_type == "FP16" and cache._decode_kernel
+    copy = 0 if in_place else 2 * 32 * full  # the gather buffer's write + read
+    gathered = 2 * 2 * slot + copy  # per block
     anchors = 16 * 2 * 2 * 32 * 4  # QUEST: fp32 min and max keys per block and head
     dense_layer = 17 * 32 * full if kv_type == "FP16" else 17 * gathered
     sparse_layer = 5 * gathered + anchors

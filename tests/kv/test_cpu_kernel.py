@@ -1,0 +1,125 @@
+"""The C++ decode kernel against the torch reference (kv/attention.py), and the block-sparse
+cache's decode with it against the same cache on the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.kv import cpu_kernel
+from kvchat.kv.attention import decode_attention
+
+from .conftest import run, small_settings, sparse_cache, tiny_model
+
+pytestmark = pytest.mark.skipif(
+    cpu_kernel.load() is None, reason="no C++ compiler: the torch path is used instead"
+)
+
+
+def _case(n_kv: int, group: int, dim: int, dtype: torch.dtype, seed: int = 0):
+    """A token-major window, a sink block and a block store, as the cache lays them out."""
+    gen = torch.Generator().manual_seed(seed)
+    block, n_blocks, cap = 16, 12, 70
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    window_k, window_v = rand(cap, n_kv, dim), rand(cap, n_kv, dim)
+    sink_k, sink_v = rand(n_kv, block, dim), rand(n_kv, block, dim)
+    pool_k, pool_v = rand(n_kv * n_blocks, block, dim), rand(n_kv * n_blocks, block, dim)
+    q0, q1 = rand(n_kv * group, 1, dim), rand(n_kv * group, 1, dim)
+    return block, n_blocks, window_k, window_v, sink_k, sink_v, pool_k, pool_v, q0, q1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [32, 64, 128])
+@pytest.mark.parametrize(("n_kv", "group"), [(4, 1), (3, 3), (2, 4), (1, 8)])
+def test_kernel_equals_one_softmax_over_the_sets(n_kv, group, dim, dtype):
+    block, n_blocks, wk, wv, sk, sv, pk, pv, q0, q1 = _case(n_kv, group, dim, dtype)
+    ws, we = 5, 61  # window columns read
+    picked = torch.tensor([[1, 4, 9], [2, 4, 11]])[torch.arange(n_kv) % 2]  # per head
+    slots = torch.arange(n_kv).unsqueeze(1) * n_blocks + picked
+    heads = torch.arange(n_kv).unsqueeze(1)
+    sets = [
+        (wk, wv, 0, n_kv * dim, we - ws, (ws * n_kv + heads) * dim),
+        (sk, sv, 1, dim, block, heads * block * dim),
+        (pk, pv, 1, dim, block, slots * block * dim),
+    ]
+    got = cpu_kernel.decode_attention(q0, q1, sets, n_kv)
+
+    # The reference in fp32 on the same (rounded) values: the kernel computes in fp32.
+    def up(*ts):
+        return [t.float() for t in ts]
+
+    far_k = torch.cat([sk.float(), pk.float()[slots].flatten(1, 2)], dim=1)
+    far_v = torch.cat([sv.float(), pv.float()[slots].flatten(1, 2)], dim=1)
+    parts = [
+        (*up(q0), *up(wk[ws:we].transpose(0, 1), wv[ws:we].transpose(0, 1))),
+        (*up(q1), far_k, far_v),
+    ]
+    want, _ = decode_attention(parts)
+    assert got.dtype == dtype and got.shape == q0.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's own rounding
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+
+
+def test_long_runs_split_across_threads_merge_exactly():
+    """One head's keys in runs of very different lengths: the parts the threads take are
+    merged by their softmax statistics into the one softmax."""
+    n_kv, group, dim = 1, 2, 64
+    _, _, wk, wv, _, _, pk, pv, q0, q1 = _case(n_kv, group, dim, torch.float32, seed=3)
+    sets = [
+        (wk, wv, 0, n_kv * dim, 70, torch.tensor([[0]])),
+        (pk, pv, 1, dim, 16, torch.tensor([[0, 7 * 16 * dim, 3 * 16 * dim]])),
+    ]
+    got = cpu_kernel.decode_attention(q0, q1, sets, n_kv)
+    far = torch.cat([pk[0], pk[7], pk[3]]), torch.cat([pv[0], pv[7], pv[3]])
+    want, _ = decode_attention(
+        [(q0, wk[:, 0].unsqueeze(0), wv[:, 0].unsqueeze(0)), (q1, far[0][None], far[1][None])]
+    )
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_run_outside_its_source_is_refused():
+    _, _, wk, wv, _, _, _, _, q0, q1 = _case(1, 1, 32, torch.float32)
+    beyond = torch.tensor([[(70 - 4) * 32]])  # 8 rows from row 66 of 70
+    with pytest.raises(RuntimeError, match="reads outside its source"):
+        cpu_kernel.decode_attention(q0, q1, [(wk, wv, 0, 32, 8, beyond)], 1)
+
+
+CASES = {
+    "FP16 SHARED": {},
+    "FP16 SEPARATE": {"head_select_mode": "SEPARATE"},
+    "FP16 no dense layer": {"dense_layer_num": 0},
+    "INT8 BLOCK_MAX": {"kv_type": "INT8", "anchor_type": "BLOCK_MAX"},
+    "INT4 FIXED SEPARATE": {
+        "kv_type": "INT4",
+        "anchor_type": "FIXED",
+        "head_select_mode": "SEPARATE",
+    },
+}
+
+
+@pytest.mark.parametrize("position_mode", ["native", "extrapolate"])
+@pytest.mark.parametrize("changes", CASES.values(), ids=CASES.keys())
+def test_sparse_decode_with_the_kernel_equals_the_torch_path(changes, position_mode):
+    model = tiny_model()
+    ids = torch.randint(0, model.cfg.vocab_size, (600,), generator=torch.Generator().manual_seed(1))
+    settings = small_settings(**({"anchor_type": "QUEST"} | changes))
+    reference = sparse_cache(model, settings, position_mode, ops_backend="torch")
+    cache = sparse_cache(model, settings, position_mode, ops_backend="auto")
+    assert cache._decode_kernel and not reference._decode_kernel
+    want = run(model, reference, ids, 64, 24)
+    got = run(model, cache, ids, 64, 24)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    s, ref = cache.stats(), reference.stats()
+    assert [layer.selected for layer in s.layers] == [layer.selected for layer in ref.layers]
+    assert any(layer.selected for layer in s.layers)
+    assert (s.hits, s.misses) == (ref.hits, ref.misses)
+
+
+def test_dynamic_anchors_keep_the_torch_path():
+    """DYNAMIC anchors need the window's attention probabilities, which the kernel does not
+    return."""
+    cache = sparse_cache(tiny_model(), small_settings(anchor_type="DYNAMIC"), ops_backend="auto")
+    assert not cache._decode_kernel
