@@ -1,8 +1,9 @@
-"""The CPU decode-attention kernel (kv/csrc/decode_attention.cpp), built on first use.
+"""The CPU kernels of the block-sparse cache (kv/csrc/), built on first use.
 
 torch's small bf16 matmuls read a decode step's keys at ~8 GB/s here (README, "Where a 128K
-decode step's time goes"); the kernel reads each key and value once, in place, and is what
-the block-sparse cache uses for decode on the CPU. It is compiled with the C++ compiler
+decode step's time goes") and its block selection is a dozen small ops per layer; the
+kernels read each key, value and anchor once, in place, and are what the block-sparse cache
+uses on the CPU (decode attention, and block selection). They are compiled with the C++ compiler
 torch's extension builder finds (`-march=native`: the build is for this CPU) and cached where
 torch caches extensions ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), so only the
 first process on a machine pays the ~30 s.
@@ -24,13 +25,16 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "decode_attention.cpp"
+SOURCES = [
+    Path(__file__).with_name("csrc") / name
+    for name in ("bindings.cpp", "decode_attention.cpp", "select_blocks.cpp")
+]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 
 
 @cache
 def load() -> ModuleType | None:
-    """The compiled kernel module, or None (with a warning logged) when it cannot be built."""
+    """The compiled kernels' module, or None (with a warning logged) when it cannot be built."""
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None:
@@ -41,16 +45,17 @@ def load() -> ModuleType | None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     # -march=native code is for this CPU: a home directory shared with another CPU model
     # must not load it, so the CPU's feature flags are part of the build's name.
-    key = hashlib.sha256(SOURCE.read_bytes() + _cpu_flags().encode()).hexdigest()[:12]
+    sources = b"".join(path.read_bytes() for path in SOURCES)
+    key = hashlib.sha256(sources + _cpu_flags().encode()).hexdigest()[:12]
     try:
         return cpp_extension.load(
-            name=f"kvchat_decode_attention_{key}",
-            sources=[str(SOURCE)],
+            name=f"kvchat_cpu_kernels_{key}",
+            sources=[str(path) for path in SOURCES],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
         )
     except (OSError, RuntimeError, ImportError) as err:
-        log.warning("the CPU decode kernel could not be built (%s); using torch attention", err)
+        log.warning("the CPU kernels could not be built (%s); using torch attention", err)
         return None
 
 
@@ -75,10 +80,8 @@ def decode_attention(
     `stride` elements apart, `rows` rows from each element offset in starts (int64
     [n_kv, runs]), scored with q0 (qid 0) or q1 (qid 1). One softmax over every set.
     """
-    module = load()
-    assert module is not None, "decode_attention needs the kernel: check load() first"
     n_heads, _, dim = q0.shape
-    out = module.decode_attention(
+    out = _module().decode_attention(
         q0,
         q1,
         [s[0] for s in sets],
@@ -91,3 +94,27 @@ def decode_attention(
         dim**-0.5,
     )
     return out.reshape(n_heads, 1, dim).to(q0.dtype)
+
+
+def select_blocks(
+    query: torch.Tensor,
+    anchors: torch.Tensor,
+    first: int,
+    last: int,
+    k: int,
+    anchor_type: str,
+    mode: str,
+) -> torch.Tensor:
+    """The top-min(k, n) blocks among first..last-1 for `query` (fp32 [n_heads, D]), as
+    kv.selection.score_blocks + select_top rank them: ids ascending, [k] for SHARED or
+    [n_kv, k] for SEPARATE. anchors: the layer's fp32 [n_blocks, n_kv, R, D]. Equal scores go
+    to the lower id."""
+    return _module().select_blocks(
+        query, anchors, first, last, k, anchor_type == "QUEST", mode == "SHARED"
+    )
+
+
+def _module() -> ModuleType:
+    module = load()
+    assert module is not None, "the CPU kernels are not built: check load() first"
+    return module

@@ -120,7 +120,7 @@ class SparseBackend(AttentionBackend):
         self.ops = attention_ops(self.device, ops_backend)
         # DYNAMIC anchors need the window's attention probabilities, which the kernel does
         # not return.
-        self._decode_kernel = (
+        self._cpu_kernels = (
             lc.anchor_type != "DYNAMIC"
             and dtype in (torch.bfloat16, torch.float32)
             and head_dim in (32, 64, 128, 256)
@@ -263,7 +263,7 @@ class SparseBackend(AttentionBackend):
         q_far = qa if self.position_mode == "native" else rotate(q, self._far_cos, self._far_sin)
         ws = self._window_start - self._win_base
         sinks = self._window_start >= _SINK_BLOCKS * self.block
-        if n == 1 and self._decode_kernel:
+        if n == 1 and self._cpu_kernels:
             return self._decode_in_place(layer, st, qa, q_far, ws, o + 1, sinks)
         if self.tier is not None:
             sink_k = st.sink_k if sinks else st.sink_k[:, :0]
@@ -440,6 +440,25 @@ class SparseBackend(AttentionBackend):
         if lc.second_select_num == 0 or len(candidates) == 0:
             return None
         query = q_far[:, 0].float() if decoding else q_far.float().mean(dim=1)
+        st.selection = self._rank(st, query, candidates)
+        st.selection_upto = self._n_anchored
+        # A chunk's selection (from its mean query) is never reused for decode queries.
+        st.selection_age = 1 if decoding else lc.token_step
+        return st.selection
+
+    def _rank(self, st: _LayerState, query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+        """The second_select_num candidates that score highest for `query` [n_heads, D]."""
+        lc = self.lc
+        if self._cpu_kernels and st.preselected is None:
+            return cpu_kernel.select_blocks(
+                query,
+                st.anchors,
+                _SINK_BLOCKS,
+                self._n_anchored,
+                lc.second_select_num,
+                lc.anchor_type,
+                lc.head_select_mode,
+            )
         if self.tier is None:
             # Without preselection the candidates are one run of blocks: score their anchors
             # in place instead of copying them (a copy of every anchor, per layer, per token).
@@ -459,11 +478,7 @@ class SparseBackend(AttentionBackend):
             scores = self.ops.score_blocks(
                 query, st.anchors, lc.anchor_type, lc.head_select_mode, ids
             )
-        st.selection = candidates[select_top(scores, lc.second_select_num).cpu()]
-        st.selection_upto = self._n_anchored
-        # A chunk's selection (from its mean query) is never reused for decode queries.
-        st.selection_age = 1 if decoding else lc.token_step
-        return st.selection
+        return candidates[select_top(scores, lc.second_select_num).cpu()]
 
     def _decode_in_place(
         self,
@@ -634,7 +649,7 @@ class SparseBackend(AttentionBackend):
         in_place = lc.kv_type == "FP16" and self.tier is None  # see _retrieve
         # The torch path writes what it gathers to a buffer and reads it again; the kernels
         # read blocks where they are, but the CPU kernel reads quantized ones dequantized.
-        copied = self.tier is None and not (self._decode_kernel and lc.kv_type == "FP16")
+        copied = self.tier is None and not (self._cpu_kernels and lc.kv_type == "FP16")
         gathered = 2 * self.block * full if copied else 0
         total = 0
         for layer in range(self.n_layers):

@@ -244,7 +244,3 @@ torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
   TORCH_CHECK(false, "head_dim must be 32, 64, 128 or 256, got ", D);
   return out;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("decode_attention", &decode_attention);
-}

@@ -7,7 +7,9 @@ import pytest
 import torch
 
 from kvchat.kv import cpu_kernel
+from kvchat.kv.anchors import ANCHOR_TYPES, anchor_rows
 from kvchat.kv.attention import decode_attention
+from kvchat.kv.selection import HEAD_SELECT_MODES, score_blocks, select_top
 
 from .conftest import run, small_settings, sparse_cache, tiny_model
 
@@ -87,6 +89,21 @@ def test_a_run_outside_its_source_is_refused():
         cpu_kernel.decode_attention(q0, q1, [(wk, wv, 0, 32, 8, beyond)], 1)
 
 
+@pytest.mark.parametrize("mode", HEAD_SELECT_MODES)
+@pytest.mark.parametrize("anchor_type", ANCHOR_TYPES)
+@pytest.mark.parametrize("k", [5, 40])
+def test_block_selection_equals_score_blocks_and_select_top(anchor_type, mode, k):
+    gen = torch.Generator().manual_seed(2)
+    n_kv, group, dim, n_blocks, first, last = 3, 3, 64, 50, 1, 37
+    anchors = torch.randn(n_blocks, n_kv, anchor_rows(anchor_type), dim, generator=gen)
+    query = torch.randn(n_kv * group, dim, generator=gen)
+    got = cpu_kernel.select_blocks(query, anchors, first, last, k, anchor_type, mode)
+    scores = score_blocks(query, anchors[first:last], anchor_type, mode)
+    want = first + select_top(scores, k)
+    assert torch.equal(got, want)
+    assert got.shape[-1] == min(k, last - first)
+
+
 CASES = {
     "FP16 SHARED": {},
     "FP16 SEPARATE": {"head_select_mode": "SEPARATE"},
@@ -108,7 +125,7 @@ def test_sparse_decode_with_the_kernel_equals_the_torch_path(changes, position_m
     settings = small_settings(**({"anchor_type": "QUEST"} | changes))
     reference = sparse_cache(model, settings, position_mode, ops_backend="torch")
     cache = sparse_cache(model, settings, position_mode, ops_backend="auto")
-    assert cache._decode_kernel and not reference._decode_kernel
+    assert cache._cpu_kernels and not reference._cpu_kernels
     want = run(model, reference, ids, 64, 24)
     got = run(model, cache, ids, 64, 24)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
@@ -122,4 +139,4 @@ def test_dynamic_anchors_keep_the_torch_path():
     """DYNAMIC anchors need the window's attention probabilities, which the kernel does not
     return."""
     cache = sparse_cache(tiny_model(), small_settings(anchor_type="DYNAMIC"), ops_backend="auto")
-    assert not cache._decode_kernel
+    assert not cache._cpu_kernels

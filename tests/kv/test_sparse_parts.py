@@ -188,7 +188,7 @@ def test_decode_read_bytes_counts_what_a_step_reads(tiny, kv_type):
     full = 2 * 2 * 32 * 4  # K and V of one token, fp32
     slot = {"FP16": 32 * 32 * 4, "INT8": 32 * (32 + 2), "INT4": 32 * (16 + 4)}[kv_type]
     window = (701 - 544) * full
-    in_place = kv_type == "FP16" and cache._decode_kernel
+    in_place = kv_type == "FP16" and cache._cpu_kernels
     copy = 0 if in_place else 2 * 32 * full  # the gather buffer's write + read
     gathered = 2 * 2 * slot + copy  # per block
     anchors = 16 * 2 * 2 * 32 * 4  # QUEST: fp32 min and max keys per block and head

@@ -1,0 +1,85 @@
+// Score candidate blocks by their anchors and keep the top k, for one query (the CPU path).
+//
+// The torch version is a dozen small ops per layer (query weights, a matrix-vector product
+// that MKL runs at ~14 GB/s, topk, sort, indexing): at 128K tokens, ~1,000 candidates per
+// layer, it costs more than the attention over the selected blocks. Here the anchors are
+// read once, two threads over the blocks, and the top k found by a partial sort.
+//
+// Every anchor type's score is linear in per-head weights derived from the query (see
+// kv/selection.py): q itself, or for QUEST (anchors = per-channel min and max keys)
+// (-relu(-q), relu(q)), so a KV head's group of query heads is scored by their summed weights.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <numeric>
+#include <vector>
+
+// q: fp32 [n_heads, D]; anchors: fp32 contiguous [n_blocks, n_kv, R, D] (all stored blocks;
+// candidates are first..last-1); quest: R == 2 and the bound weights; shared: one ranking
+// summed over heads, else one per KV head. Returns int64 block ids, ascending: [k] (shared)
+// or [n_kv, k].
+torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t first, int64_t last,
+                            int64_t k, bool quest, bool shared) {
+  TORCH_CHECK(q.scalar_type() == at::kFloat && anchors.scalar_type() == at::kFloat, "fp32 inputs");
+  TORCH_CHECK(anchors.dim() == 4 && anchors.is_contiguous(), "anchors: [n_blocks, n_kv, R, D]");
+  const int64_t n_kv = anchors.size(1), R = anchors.size(2), D = anchors.size(3);
+  const int64_t n_heads = q.size(0), G = n_heads / n_kv, width = R * D;
+  TORCH_CHECK(q.dim() == 2 && q.size(1) == D && n_heads % n_kv == 0, "q: [n_heads, D]");
+  TORCH_CHECK(R == (quest ? 2 : 1), "QUEST needs 2 anchor rows, other types 1");
+  TORCH_CHECK(0 <= first && first <= last && last <= anchors.size(0), "bad candidate range");
+  const int64_t n = last - first;
+  k = std::min(k, n);
+  // Weights [n_kv, R * D]: the group's summed (bound) weights.
+  std::vector<float> w(n_kv * width, 0.f);
+  auto qc = q.contiguous();
+  const float* qp = qc.data_ptr<float>();
+  for (int64_t h = 0; h < n_heads; ++h) {
+    float* wh = w.data() + (h / G) * width;
+    for (int64_t d = 0; d < D; ++d) {
+      const float x = qp[h * D + d];
+      if (quest) {
+        wh[d] += std::min(x, 0.f);
+        wh[D + d] += std::max(x, 0.f);
+      } else {
+        wh[d] += x;
+      }
+    }
+  }
+  const int64_t rankings = shared ? 1 : n_kv;
+  std::vector<float> scores(rankings * n);
+  const float* ap = anchors.data_ptr<float>() + first * n_kv * width;
+  at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      const float* row = ap + b * n_kv * width;
+      float total = 0.f;
+      for (int64_t h = 0; h < n_kv; ++h) {
+        const float* wh = w.data() + h * width;
+        const float* ah = row + h * width;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < width; ++i) dot += wh[i] * ah[i];
+        if (shared)
+          total += dot;
+        else
+          scores[h * n + b] = dot;
+      }
+      if (shared) scores[b] = total;
+    }
+  });
+  auto out = torch::empty(shared ? std::vector<int64_t>{k} : std::vector<int64_t>{n_kv, k},
+                          torch::kLong);
+  int64_t* op = out.data_ptr<int64_t>();
+  std::vector<int64_t> idx(n);
+  for (int64_t r = 0; r < rankings; ++r) {
+    const float* sr = scores.data() + r * n;
+    std::iota(idx.begin(), idx.end(), 0);
+    // Highest first; ties to the lower id, so the choice does not depend on the sort.
+    std::nth_element(idx.begin(), idx.begin() + k, idx.end(), [&](int64_t a, int64_t b) {
+      return sr[a] > sr[b] || (sr[a] == sr[b] && a < b);
+    });
+    std::sort(idx.begin(), idx.begin() + k);
+    for (int64_t i = 0; i < k; ++i) op[r * k + i] = first + idx[i];
+  }
+  return out;
+}
