@@ -19,7 +19,7 @@ import torch
 from kvchat.config import GenerationSettings, LongContextSettings, Settings, changed_keys
 from kvchat.kv.backend import AttentionBackend, CacheStats
 from kvchat.kv.dense import DenseBackend
-from kvchat.kv.kernels import cpu_decode_kernel
+from kvchat.kv.kernels import cpu_kernels
 from kvchat.kv.sparse import RETUNABLE, SparseBackend
 from kvchat.kv.state import StateMismatchError
 
@@ -445,9 +445,9 @@ class Engine:
         device = resolve_device(settings.model.device)
         dtype = resolve_dtype(settings.model.dtype, device)
         threads = configure_threads(settings.long_context.threads_num or settings.model.threads)
-        # The first process on a machine compiles the CPU decode kernel (~30 s): let loading
-        # pay it, not the first question.
-        cpu_decode_kernel(device)
+        # The first process on a machine compiles the CPU kernels (~30-80 s): let loading pay
+        # it, not the first question.
+        cpu_kernels(device)
         weights = load_weights(source)
         # Packed int4 keeps the file's exact 4-bit weights; its kernel wants bf16 activations.
         weight_format = "int4" if dtype == torch.bfloat16 and device.type == "cpu" else "dense"

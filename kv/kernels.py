@@ -8,8 +8,9 @@ compositions of them); the Triton ones live in kv/triton/ and are imported only 
 so kvchat imports and runs without Triton installed.
 
 The torch reference runs on the CPU only (kv/attention.py calls the CPU flash kernel), so CUDA
-always gets the Triton kernels. On the CPU, `auto` also uses the C++ decode kernel
-(kv/cpu_kernel.py) for the block-sparse cache's decode steps, where it builds. The environment
+always gets the Triton kernels. On the CPU, `auto` also uses the C++ kernels
+(kv/cpu_kernel.py) for the block-sparse cache's decode attention and block selection, where
+they build. The environment
 variable KVCHAT_ATTENTION_OPS (auto, torch, triton; read here and nowhere else) forces a
 choice: `torch` is the reference alone; `triton` on a CPU with TRITON_INTERPRET=1 runs the
 kernels in the interpreter, which is how the CPU tests drive the GPU code path.
@@ -265,8 +266,8 @@ def attention_ops(device: torch.device | str, backend: str | None = None) -> Att
     return TRITON_OPS
 
 
-def cpu_decode_kernel(device: torch.device | str, backend: str | None = None) -> ModuleType | None:
-    """The C++ decode kernel when `backend` resolves to auto on a CPU and the kernel builds."""
+def cpu_kernels(device: torch.device | str, backend: str | None = None) -> ModuleType | None:
+    """The C++ CPU kernels' module when `backend` resolves to auto on a CPU and they build."""
     if torch.device(device).type != "cpu" or _resolve(backend)[1] != "auto":
         return None
     from . import cpu_kernel

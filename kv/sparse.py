@@ -20,9 +20,10 @@ window keeps exact relative positions.
 
 Compute, by the ops kv/kernels.py picks for the device:
 - torch (the CPU): blocks are gathered (dequantized) from the store into a buffer and read
-  with the torch attention; the device block cache only counts what a GPU would copy. A decode
-  step runs the C++ kernel (kv/cpu_kernel.py) instead where it builds: it reads the window,
-  the sinks and FP16 blocks in place (quantized blocks from the gather buffer), in one pass.
+  with the torch attention; the device block cache only counts what a GPU would copy. Where
+  the C++ kernels (kv/cpu_kernel.py) build, a decode step reads the window, the sinks and FP16
+  blocks in place (quantized blocks from the gather buffer) in one pass, and selection
+  scores and ranks the candidates in one pass too.
 - Triton (CUDA; the CPU under TRITON_INTERPRET=1, for tests): window, sinks, anchors and
   received attention live on the device, the store stays in host DRAM, and the selected
   blocks are copied into a DeviceBlockTier (kv/cuda_tier.py), from whose slots one
@@ -43,7 +44,7 @@ from .attention import chunk_attention, decode_attention
 from .backend import AttentionBackend, CacheStats, LayerStats, check_capacity
 from .cuda_tier import DeviceBlockTier
 from .device_cache import DeviceBlockCache
-from .kernels import TORCH_OPS, attention_ops, cpu_decode_kernel
+from .kernels import TORCH_OPS, attention_ops, cpu_kernels
 from .positions import RopeTables, rotate
 from .quant import BlockPool
 from .selection import preselect_vote, score_blocks, select_top
@@ -124,7 +125,7 @@ class SparseBackend(AttentionBackend):
             lc.anchor_type != "DYNAMIC"
             and dtype in (torch.bfloat16, torch.float32)
             and head_dim in (32, 64, 128, 256)
-            and cpu_decode_kernel(self.device, ops_backend) is not None
+            and cpu_kernels(self.device, ops_backend) is not None
         )
 
         def window_buffer() -> torch.Tensor:
@@ -188,6 +189,7 @@ class SparseBackend(AttentionBackend):
         self._gather_k = torch.empty(0, self.block, head_dim, dtype=dtype)
         self._gather_v = torch.empty_like(self._gather_k)
         self._head_base = (torch.arange(n_kv_heads) * self.max_blocks).unsqueeze(1)
+        self._heads = torch.arange(n_kv_heads).unsqueeze(1)
         self._length = 0
         self._n_new = 0
         self._n_stored = 0  # blocks written to the pools
@@ -493,8 +495,7 @@ class SparseBackend(AttentionBackend):
         """A decode step's attention by the CPU kernel: the window (columns ws..end of the
         token-major buffer, read with qa), the sinks and the retrieved blocks (read with q_far)
         in one softmax."""
-        b, dim, n_kv = self.block, self.head_dim, self.n_kv
-        heads = torch.arange(n_kv).unsqueeze(1)
+        b, dim, n_kv, heads = self.block, self.head_dim, self.n_kv, self._heads
         # The window buffer is [win_cap, n_kv, D] underneath: head h's token t is row t*n_kv + h.
         window = (
             st.win_k.transpose(0, 1),
