@@ -34,7 +34,7 @@ def _case(n_kv: int, group: int, dim: int, dtype: torch.dtype, seed: int = 0):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim", [32, 64, 128])
+@pytest.mark.parametrize("dim", [32, 64, 128, 256])
 @pytest.mark.parametrize(("n_kv", "group"), [(4, 1), (3, 3), (2, 4), (1, 8)])
 def test_kernel_equals_one_softmax_over_the_sets(n_kv, group, dim, dtype):
     block, n_blocks, wk, wv, sk, sv, pk, pv, q0, q1 = _case(n_kv, group, dim, dtype)
