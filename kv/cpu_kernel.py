@@ -17,6 +17,8 @@ import logging
 import os
 import platform
 import shutil
+import sys
+import time
 from functools import cache
 from pathlib import Path
 from types import ModuleType
@@ -30,6 +32,9 @@ SOURCES = [
     for name in ("bindings.cpp", "decode_attention.cpp", "select_blocks.cpp")
 ]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+# A build takes ~30-80 s here; torch's lock file that old was left by a process killed while
+# it built (Ctrl-C on a first start), and torch would wait on it forever.
+STALE_LOCK_S = 600
 
 
 @cache
@@ -43,20 +48,41 @@ def load() -> ModuleType | None:
         import ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    # -march=native code is for this CPU: a home directory shared with another CPU model
-    # must not load it, so the CPU's feature flags are part of the build's name.
+    # The build is for these sources, this torch and Python, and this CPU (-march=native:
+    # a home directory shared with another CPU model must not load it).
     sources = b"".join(path.read_bytes() for path in SOURCES)
-    key = hashlib.sha256(sources + _cpu_flags().encode()).hexdigest()[:12]
+    versions = f"{torch.__version__} {sys.version_info[:2]} {_cpu_flags()}"
+    name = f"kvchat_cpu_kernels_{hashlib.sha256(sources + versions.encode()).hexdigest()[:12]}"
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
+    build_dir = Path(root) / name
     try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        clear_stale_lock(build_dir)
         return cpp_extension.load(
-            name=f"kvchat_cpu_kernels_{key}",
+            name=name,
             sources=[str(path) for path in SOURCES],
             extra_cflags=FLAGS,
             extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
         )
     except (OSError, RuntimeError, ImportError) as err:
         log.warning("the CPU kernels could not be built (%s); using torch attention", err)
         return None
+
+
+def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove torch's build lock in build_dir when it is older than max_age_s (its builder
+    is gone); True when one was removed."""
+    lock = build_dir / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= max_age_s:
+        return False
+    log.warning("removing a stale build lock (%.0f s old, left by a killed build): %s", age, lock)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _cpu_flags() -> str:
