@@ -131,7 +131,7 @@ void scores_dpbf16(const __m512bh* qb, int G, const uint16_t* kb, int64_t stride
 
 // acc[g] += sum over the tile's rows of p[g][t] * v[t], in fp32 from bf16 values. A row's
 // 32-value chunk splits into its even and odd elements as fp32 with one shift or mask each,
-// so acc holds each chunk's even elements, then its odd ones (unshuffle_dpbf16 undoes it).
+// so acc holds each chunk's even elements, then its odd ones (dpbf16_slot maps them back).
 template <int D>
 void accumulate_dpbf16(const float* p, int G, const uint16_t* vb, int64_t stride, int64_t tn,
                        const Ahead& ahead, float* tile, float* acc) {
