@@ -166,6 +166,18 @@ void accumulate_dpbf16(const float* p, int G, const uint16_t* vb, int64_t stride
 // Where accumulate_dpbf16 keeps output element d: chunks of 32, even elements first.
 inline int64_t dpbf16_slot(int64_t d) { return (d & ~31) + ((d & 1) << 4) + ((d & 31) >> 1); }
 
+// The tile's tn rows as fp32 in `tile`, prefetching the matching rows of `next` (the next
+// tile's keys or values).
+template <typename T, int D>
+void widen_rows(const T* src, int64_t stride, int64_t tn, const char* next, const Ahead& ahead,
+                float* tile) {
+  for (int64_t t = 0; t < tn; ++t) {
+    prefetch_row<D * sizeof(T)>(next, ahead.stride, ahead.rows, t);
+    const T* row = src + t * stride;
+    for (int d = 0; d < D; ++d) tile[t * D + d] = load(row, d);
+  }
+}
+
 // Online softmax over this head's runs [r0, r1); writes the running max, sum and
 // unnormalised output of each query of the group.
 template <typename T, int D, bool DP>
@@ -205,12 +217,7 @@ void attend(const float* q, int G, const std::vector<Set>& sets, const Run* runs
                          scale, ahead, s.data());
 #endif
       } else {
-        for (int64_t t = 0; t < tn; ++t) {
-          prefetch_row<D * sizeof(T)>(ahead.k, ahead.stride, ahead.rows, t);
-          const T* row = kb + (t0 + t) * set.stride;
-          float* dst = tile.data() + t * D;
-          for (int d = 0; d < D; ++d) dst[d] = load(row, d);
-        }
+        widen_rows<T, D>(kb + t0 * set.stride, set.stride, tn, ahead.k, ahead, tile.data());
         for (int g = 0; g < G; ++g) {
           const float* qg = qq + g * D;
           float* sg = s.data() + g * TILE;
@@ -246,12 +253,7 @@ void attend(const float* q, int G, const std::vector<Set>& sets, const Run* runs
                              set.stride, tn, ahead, tile.data(), acc);
 #endif
       } else {
-        for (int64_t t = 0; t < tn; ++t) {
-          prefetch_row<D * sizeof(T)>(ahead.v, ahead.stride, ahead.rows, t);
-          const T* row = vb + (t0 + t) * set.stride;
-          float* dst = tile.data() + t * D;
-          for (int d = 0; d < D; ++d) dst[d] = load(row, d);
-        }
+        widen_rows<T, D>(vb + t0 * set.stride, set.stride, tn, ahead.v, ahead, tile.data());
         for (int g = 0; g < G; ++g) {
           const float* pg = s.data() + g * TILE;
           float a[D];
@@ -374,8 +376,8 @@ torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
   auto out = torch::empty({n_kv, G, D}, q.options());
   const float* qp = q.data_ptr<float>();
   const bool bf16 = dtype == at::kBFloat16;
-  // bf16 queries and keys: pair products in bf16 instructions are exact, so the fast path
-  // gives the same scores as converting both to fp32.
+  // bf16 queries and keys: pair products in bf16 instructions are exact, so the fast path's
+  // scores differ from converting both to fp32 only in the order of the fp32 sums.
   const bool dp = KVCHAT_DPBF16 && bf16 && q0.scalar_type() == at::kBFloat16 &&
                   q1.scalar_type() == at::kBFloat16;
   const float sc = static_cast<float>(scale);
