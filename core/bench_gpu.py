@@ -30,7 +30,7 @@ import psutil
 import torch
 
 from kvchat.config import LongContextSettings, Settings
-from kvchat.kv.anchors import anchor_rows, block_anchors
+from kvchat.kv.anchors import anchor_dtype, anchor_rows, block_anchors
 from kvchat.kv.backend import check_capacity
 from kvchat.kv.cuda_tier import DeviceBlockTier
 from kvchat.kv.kernels import AttentionOps, attention_ops
@@ -127,9 +127,10 @@ class FilledSparseCache:
 
     Per layer: host BlockPools for K and V (pageable: misses go through the tier's pinned
     staging buffer, and pinning a whole store would round every pool up to a power of two),
-    fp32 anchors, a full-precision local window and the sink block on the device. Every
-    layer selects the top `select` blocks (SHARED) among those before the window by anchor
-    score, fetches them through a DeviceBlockTier and runs one sparse_attention kernel.
+    anchors (in kv.anchors.anchor_dtype), a full-precision local window and the sink block on
+    the device. Every layer selects the top `select` blocks (SHARED) among those before the
+    window by anchor score, fetches them through a DeviceBlockTier and runs one
+    sparse_attention kernel.
 
     It implements the pass protocol of AttentionBackend that Transformer.forward drives
     (begin / attend / commit, length, max_chunk) and nothing else: a benchmark never
@@ -164,8 +165,10 @@ class FilledSparseCache:
         self.v_pools = [
             BlockPool(n_slots, block, dim, shape.kv_type, dtype) for _ in range(cfg.num_layers)
         ]
+        anchors_dtype = anchor_dtype(shape.anchor_type, dtype)
         self.anchors = [
-            torch.zeros(self.max_blocks, n_kv, rows, dim, device=device) for _ in self.k_pools
+            torch.zeros(self.max_blocks, n_kv, rows, dim, dtype=anchors_dtype, device=device)
+            for _ in self.k_pools
         ]
         self.win_k = [torch.zeros(win, dtype=dtype, device=device) for _ in self.k_pools]
         self.win_v = [torch.zeros(win, dtype=dtype, device=device) for _ in self.k_pools]
@@ -313,7 +316,7 @@ class FilledSparseCache:
             self.hbm_read_bytes += (
                 2 * n_kv * dim * itemsize * (o + n - ws + sink_k.shape[1])
                 + selected * self.tier.bytes_per_block
-                + max(n_cand, 0) * self.anchors[layer][0].numel() * 4
+                + max(n_cand, 0) * self.anchors[layer][0].nbytes
             )
         return out
 

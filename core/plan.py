@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 import psutil
 
 from kvchat.config import LongContextSettings
-from kvchat.kv.anchors import anchor_rows
+from kvchat.kv.anchors import anchor_itemsize, anchor_rows
 from kvchat.kv.quant import bytes_per_token
 from kvchat.kv.sparse import window_capacity
 
@@ -113,7 +113,8 @@ def plan_memory(
     blocks = -(-n_tokens // lc.block_size)
     per_block = lc.block_size * bytes_per_token(dim, lc.kv_type, itemsize)
     kv = blocks * layers * 2 * kv_heads * per_block
-    anchors = blocks * layers * kv_heads * anchor_rows(lc.anchor_type) * dim * 4
+    anchor_size = anchor_itemsize(lc.anchor_type, itemsize)
+    anchors = blocks * layers * kv_heads * anchor_rows(lc.anchor_type) * dim * anchor_size
     # Window keys (twice in extrapolate mode), values, attention received, sinks.
     window = layers * kv_heads * window_capacity(lc) * (3 * dim * itemsize + 4)
     sinks = layers * 2 * kv_heads * lc.block_size * dim * itemsize

@@ -133,8 +133,8 @@ def select_blocks(
 ) -> torch.Tensor:
     """The top-min(k, n) blocks among first..last-1 for `query` (fp32 [n_heads, D]), as
     kv.selection.score_blocks + select_top rank them: ids ascending, [k] for SHARED or
-    [n_kv, k] for SEPARATE. anchors: the layer's fp32 [n_blocks, n_kv, R, D]. Equal scores go
-    to the lower id."""
+    [n_kv, k] for SEPARATE. anchors: the layer's fp32 or bf16 [n_blocks, n_kv, R, D]. Equal
+    scores go to the lower id."""
     return _module().select_blocks(
         query, anchors, first, last, k, anchor_type == "QUEST", mode == "SHARED"
     )

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .anchors import ANCHOR_TYPES, anchor_rows
+from .anchors import ANCHOR_TYPES, anchor_dtype, anchor_rows
 from .kernels import TORCH_OPS, AttentionOps, gather_blocks
 from .quant import KV_TYPES, BlockPool
 from .selection import HEAD_SELECT_MODES
@@ -174,6 +174,7 @@ def check_mirrors(
 def check_scoring(
     ops: AttentionOps,
     device: torch.device | str,
+    dtype: torch.dtype,
     anchor_type: str,
     mode: str,
     group: int,
@@ -185,12 +186,14 @@ def check_scoring(
     gen = torch.Generator().manual_seed(seed)
     n_kv = 2
     q = torch.randn(n_kv * group, dim, generator=gen).to(dev)
-    anchors = torch.randn(n_blocks, n_kv, anchor_rows(anchor_type), dim, generator=gen).to(dev)
+    # Stored as a cache of `dtype` keys stores them (key values in the keys' dtype).
+    anchors = torch.randn(n_blocks, n_kv, anchor_rows(anchor_type), dim, generator=gen)
+    anchors = anchors.to(dev, anchor_dtype(anchor_type, dtype))
     candidates = torch.randperm(n_blocks, generator=gen)[: n_blocks - 7].to(dev)
     got = ops.score_blocks(q, anchors, anchor_type, mode, candidates)
     want = TORCH_OPS.score_blocks(*_cpu(q, anchors), anchor_type, mode, candidates.cpu())
     tol = SCORE_RTOL * max(want.abs().max().item(), 1.0)
-    case = f"{anchor_type} {mode} group={group} blocks={n_blocks - 7}"
+    case = f"{_name(anchors.dtype)} {anchor_type} {mode} group={group} blocks={n_blocks - 7}"
     return _result("score_blocks", case, _err(got, want), tol)
 
 
@@ -248,7 +251,7 @@ def run_all(
             )
             results.append(check_append(ops, device, dtype, kv_type, shape["block"], shape["dim"]))
         results += check_mirrors(ops, device, dtype, 4)
-    for anchor_type in ANCHOR_TYPES:
-        for mode in HEAD_SELECT_MODES:
-            results.append(check_scoring(ops, device, anchor_type, mode, 4, blocks, dim))
+        for anchor_type in ANCHOR_TYPES:
+            for mode in HEAD_SELECT_MODES:
+                results.append(check_scoring(ops, device, dtype, anchor_type, mode, 4, blocks, dim))
     return results

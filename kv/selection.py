@@ -21,7 +21,8 @@ def score_blocks(
 ) -> torch.Tensor:
     """Score every block for one query.
 
-    q: [n_heads, head_dim]; anchors: [n_blocks, n_kv_heads, R, head_dim] float32.
+    q: [n_heads, head_dim]; anchors: [n_blocks, n_kv_heads, R, head_dim], any float dtype
+    (scored in float32).
     SHARED -> float32 [n_blocks], summed over all heads; SEPARATE -> float32
     [n_kv_heads, n_blocks], each KV head summed over its group of query heads.
     """
@@ -33,6 +34,7 @@ def score_blocks(
     group = _group_size(q.shape[0], n_kv_heads)
     weights = _query_weights(q.float(), anchor_type)
     group_weights = weights.view(n_kv_heads, group, rows * head_dim).sum(dim=1)
+    anchors = anchors.float()
     if mode == "SHARED":
         flat = anchors.reshape(n_blocks, n_kv_heads * rows * head_dim)
         return flat @ group_weights.reshape(-1)
@@ -71,7 +73,7 @@ def preselect_vote(
     group = _group_size(n_heads, n_kv_heads)
     weights = _query_weights(q_last.float(), anchor_type)
     weights = weights.reshape(n_kv_heads, group * n_q, rows * head_dim)
-    per_head = anchors.reshape(n_blocks, n_kv_heads, rows * head_dim).permute(1, 2, 0)
+    per_head = anchors.float().reshape(n_blocks, n_kv_heads, rows * head_dim).permute(1, 2, 0)
     scores = torch.bmm(weights, per_head)  # [n_kv_heads, group * n_q, n_blocks]
     votes = torch.softmax(scores / math.sqrt(head_dim), dim=-1).sum(dim=(0, 1))
     return select_top(votes, count)

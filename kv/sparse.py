@@ -39,7 +39,7 @@ import torch
 from kvchat.config import LongContextSettings
 
 from . import cpu_kernel
-from .anchors import anchor_rows, block_anchors
+from .anchors import anchor_dtype, anchor_rows, block_anchors
 from .attention import chunk_attention, decode_attention
 from .backend import AttentionBackend, CacheStats, LayerStats, check_capacity
 from .cuda_tier import DeviceBlockTier
@@ -68,7 +68,7 @@ def window_capacity(lc: LongContextSettings) -> int:
 class _LayerState:
     k_pool: BlockPool
     v_pool: BlockPool
-    anchors: torch.Tensor  # [max_blocks, n_kv, R, D] fp32
+    anchors: torch.Tensor  # [max_blocks, n_kv, R, D] in anchor_dtype
     win_k: torch.Tensor  # [n_kv, win_cap, D] (a token-major view), rotated at absolute positions
     win_v: torch.Tensor
     win_store_k: torch.Tensor  # keys as the store keeps them (win_k itself in native mode)
@@ -150,7 +150,12 @@ class SparseBackend(AttentionBackend):
                     v_pool=pool(),
                     # Untouched host pages cost no memory: only anchored blocks are ever written.
                     anchors=torch.empty(
-                        self.max_blocks, n_kv_heads, rows, head_dim, device=self.device
+                        self.max_blocks,
+                        n_kv_heads,
+                        rows,
+                        head_dim,
+                        dtype=anchor_dtype(lc.anchor_type, dtype),
+                        device=self.device,
                     ),
                     win_k=win_k,
                     win_v=window_buffer(),
@@ -646,7 +651,8 @@ class SparseBackend(AttentionBackend):
         sinks = _SINK_BLOCKS if window_start >= _SINK_BLOCKS * self.block else 0
         candidates = max(window_start // self.block - _SINK_BLOCKS, 0)
         slot = self._layers[0].k_pool.bytes_per_slot
-        anchor = self._layers[0].anchors[0].numel() * 4
+        anchors = self._layers[0].anchors
+        anchor = anchors[0].numel() * anchors.element_size()
         in_place = lc.kv_type == "FP16" and self.tier is None  # see _retrieve
         # The torch path writes what it gathers to a buffer and reads it again; the kernels
         # read blocks where they are, but the CPU kernel reads quantized ones dequantized.
@@ -706,7 +712,7 @@ class SparseBackend(AttentionBackend):
             blocks_in_dram=self._n_stored,
             resident_tokens=resident,
             resident_bytes=self.n_layers * per_token_full * (self.win_cap + self.block) + scratch,
-            anchor_bytes=self.n_layers * self._n_anchored * first.anchors[0].numel() * 4,
+            anchor_bytes=self.n_layers * self._n_anchored * first.anchors[0].nbytes,
             device_slots_used=self.device_cache.used,
             device_slots_total=self.device_cache.total,
             hits=self.device_cache.hits,

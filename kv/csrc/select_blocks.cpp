@@ -8,20 +8,63 @@
 // Every anchor type's score is linear in per-head weights derived from the query (see
 // kv/selection.py): q itself, or for QUEST (anchors = per-channel min and max keys)
 // (-relu(-q), relu(q)), so a KV head's group of query heads is scored by their summed weights.
+//
+// QUEST and BLOCK_MAX anchors are key values, stored in the keys' dtype (kv/anchors.py): bf16
+// anchors are widened to fp32 here, which halves the bytes this pass reads at no loss.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <cstdint>
+#include <cstring>
 #include <numeric>
 #include <vector>
 
-// q: fp32 [n_heads, D]; anchors: fp32 contiguous [n_blocks, n_kv, R, D] (all stored blocks;
+namespace {
+
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {
+  const uint32_t bits = static_cast<uint32_t>(x) << 16;  // bf16 is fp32's high half
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// Block b's score, per KV head into scores[h * n + b], or summed over heads into scores[b].
+template <typename A>
+void score(const A* ap, const float* w, int64_t n, int64_t n_kv, int64_t width, bool shared,
+           float* scores) {
+  at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t b = lo; b < hi; ++b) {
+      const A* row = ap + b * n_kv * width;
+      float total = 0.f;
+      for (int64_t h = 0; h < n_kv; ++h) {
+        const float* wh = w + h * width;
+        const A* ah = row + h * width;
+        float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+        for (int64_t i = 0; i < width; ++i) dot += wh[i] * widen(ah[i]);
+        if (shared)
+          total += dot;
+        else
+          scores[h * n + b] = dot;
+      }
+      if (shared) scores[b] = total;
+    }
+  });
+}
+
+}  // namespace
+
+// q: fp32 [n_heads, D]; anchors: fp32 or bf16 contiguous [n_blocks, n_kv, R, D] (all stored blocks;
 // candidates are first..last-1); quest: R == 2 and the bound weights; shared: one ranking
 // summed over heads, else one per KV head. Returns int64 block ids, ascending: [k] (shared)
 // or [n_kv, k].
 torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t first, int64_t last,
                             int64_t k, bool quest, bool shared) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && anchors.scalar_type() == at::kFloat, "fp32 inputs");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, "fp32 query");
+  const bool bf16 = anchors.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(bf16 || anchors.scalar_type() == at::kFloat, "fp32 or bf16 anchors");
   TORCH_CHECK(anchors.dim() == 4 && anchors.is_contiguous(), "anchors: [n_blocks, n_kv, R, D]");
   const int64_t n_kv = anchors.size(1), R = anchors.size(2), D = anchors.size(3);
   const int64_t n_heads = q.size(0), G = n_heads / n_kv, width = R * D;
@@ -48,25 +91,12 @@ torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t firs
   }
   const int64_t rankings = shared ? 1 : n_kv;
   std::vector<float> scores(rankings * n);
-  const float* ap = anchors.data_ptr<float>() + first * n_kv * width;
-  at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t b = lo; b < hi; ++b) {
-      const float* row = ap + b * n_kv * width;
-      float total = 0.f;
-      for (int64_t h = 0; h < n_kv; ++h) {
-        const float* wh = w.data() + h * width;
-        const float* ah = row + h * width;
-        float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-        for (int64_t i = 0; i < width; ++i) dot += wh[i] * ah[i];
-        if (shared)
-          total += dot;
-        else
-          scores[h * n + b] = dot;
-      }
-      if (shared) scores[b] = total;
-    }
-  });
+  const int64_t offset = first * n_kv * width;
+  if (bf16)
+    score(reinterpret_cast<const uint16_t*>(anchors.data_ptr<at::BFloat16>()) + offset, w.data(),
+          n, n_kv, width, shared, scores.data());
+  else
+    score(anchors.data_ptr<float>() + offset, w.data(), n, n_kv, width, shared, scores.data());
   auto out = torch::empty(shared ? std::vector<int64_t>{k} : std::vector<int64_t>{n_kv, k},
                           torch::kLong);
   int64_t* op = out.data_ptr<int64_t>();

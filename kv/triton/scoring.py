@@ -65,7 +65,7 @@ def _score_kernel(
                 anchors_ptr + blocks[:, None] * s_ab + kv * s_akv + r * HEAD_DIM + d[None, :],
                 mask=b_ok[:, None] & d_ok[None, :],
                 other=0.0,
-            )
+            ).to(tl.float32)
             score += tl.sum(a * w[None, :], 1)
         if SHARED:
             total += score
@@ -84,9 +84,9 @@ def score_blocks(
 ) -> torch.Tensor:
     """kv.selection.score_blocks(q, anchors[candidates], anchor_type, mode), without the copy.
 
-    q: [n_heads, head_dim]; anchors: [n_blocks, n_kv_heads, R, head_dim] fp32 (contiguous
-    per block); candidates: block ids (long or int), default every block. Returns fp32 [n]
-    (SHARED) or [n_kv_heads, n] (SEPARATE).
+    q: [n_heads, head_dim]; anchors: [n_blocks, n_kv_heads, R, head_dim], fp32 or the keys'
+    dtype (contiguous per block); candidates: block ids (long or int), default every block.
+    Returns fp32 [n] (SHARED) or [n_kv_heads, n] (SEPARATE).
     """
     if mode not in HEAD_SELECT_MODES:
         raise ValueError(f"unknown head select mode {mode!r}; expected one of {HEAD_SELECT_MODES}")
@@ -96,8 +96,8 @@ def score_blocks(
             f"anchors of type {anchor_type} must be [n_blocks, n_kv_heads, {rows}, "
             f"{q.shape[-1]}], got {tuple(anchors.shape)}"
         )
-    if anchors.dtype != torch.float32:
-        raise ValueError(f"anchors must be float32, got {anchors.dtype}")
+    if not anchors.is_floating_point():
+        raise ValueError(f"anchors must be a float tensor, got {anchors.dtype}")
     n_kv, dim = anchors.shape[1], anchors.shape[3]
     if q.dim() != 2 or q.shape[0] % n_kv:
         raise ValueError(f"q must be [n_heads, head_dim] with n_heads a multiple of {n_kv}")

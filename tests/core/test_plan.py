@@ -65,8 +65,10 @@ def test_sparse_kv_bytes_by_kv_type(kv_type, per_token_head):
 def test_anchor_and_resident_bytes():
     p = plan_memory(SMOL, SPARSE, 4096, 2, 0, 100 * GIB)
     assert p.anchor_bytes == 32 * 30 * 3 * 1 * 64 * 4
-    quest = plan_memory(SMOL, replace(SPARSE, anchor_type="QUEST"), 4096, 2, 0, 100 * GIB)
-    assert quest.anchor_bytes == 2 * p.anchor_bytes
+    # QUEST's min and max keys are stored in the keys' dtype: bf16 here, fp32 for fp32 keys.
+    quest = replace(SPARSE, anchor_type="QUEST")
+    assert plan_memory(SMOL, quest, 4096, 2, 0, 100 * GIB).anchor_bytes == 32 * 30 * 3 * 2 * 64 * 2
+    assert plan_memory(SMOL, quest, 4096, 4, 0, 100 * GIB).anchor_bytes == 32 * 30 * 3 * 2 * 64 * 4
     window = 4096 + 2 * 128 + 4096
     sinks = 30 * 2 * 3 * 128 * 64 * 2
     gather = 2 * 3 * 32 * 128 * 64 * 2  # dense layers gather all 32 blocks; 32 = select too

@@ -7,6 +7,8 @@ import torch
 
 from kvchat.kv.anchors import (
     ANCHOR_TYPES,
+    anchor_dtype,
+    anchor_itemsize,
     anchor_rows,
     block_anchors,
     fixed_indices,
@@ -147,3 +149,18 @@ def test_bad_shapes_raise():
         block_anchors(torch.zeros(BLOCK_SIZE, HEAD_DIM), "FIXED", 1)
     with pytest.raises(ValueError, match="received must have shape"):
         block_anchors(_keys(9), "DYNAMIC", 2, torch.ones(N_KV_HEADS, BLOCK_SIZE + 1))
+
+
+def test_key_valued_anchors_are_stored_in_the_keys_dtype():
+    for anchor_type in ("QUEST", "BLOCK_MAX"):
+        assert anchor_dtype(anchor_type, torch.bfloat16) == torch.bfloat16
+        assert anchor_dtype(anchor_type, torch.float32) == torch.float32
+        assert anchor_itemsize(anchor_type, 2) == 2
+    for anchor_type in ("DYNAMIC", "FIXED", "BLOCK_MEAN"):
+        assert anchor_dtype(anchor_type, torch.bfloat16) == torch.float32
+        assert anchor_itemsize(anchor_type, 2) == 4
+    # Exact: the minimum and maximum of bf16 keys are bf16 keys.
+    keys = _keys(9, 5).to(torch.bfloat16)
+    for anchor_type in ("QUEST", "BLOCK_MAX"):
+        anchors = block_anchors(keys, anchor_type, 1)
+        assert torch.equal(anchors.to(torch.bfloat16).float(), anchors)

@@ -92,10 +92,12 @@ def test_a_run_outside_its_source_is_refused():
 @pytest.mark.parametrize("mode", HEAD_SELECT_MODES)
 @pytest.mark.parametrize("anchor_type", ANCHOR_TYPES)
 @pytest.mark.parametrize("k", [5, 40])
-def test_block_selection_equals_score_blocks_and_select_top(anchor_type, mode, k):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_selection_equals_score_blocks_and_select_top(dtype, anchor_type, mode, k):
     gen = torch.Generator().manual_seed(2)
     n_kv, group, dim, n_blocks, first, last = 3, 3, 64, 50, 1, 37
-    anchors = torch.randn(n_blocks, n_kv, anchor_rows(anchor_type), dim, generator=gen)
+    shape = (n_blocks, n_kv, anchor_rows(anchor_type), dim)
+    anchors = torch.randn(*shape, generator=gen).to(dtype)
     query = torch.randn(n_kv * group, dim, generator=gen)
     got = cpu_kernel.select_blocks(query, anchors, first, last, k, anchor_type, mode)
     scores = score_blocks(query, anchors[first:last], anchor_type, mode)

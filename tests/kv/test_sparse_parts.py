@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvchat.kv.anchors import anchor_rows, block_anchors
 from kvchat.kv.sparse import SparseBackend
 
-from .conftest import dense_cache, run, small_settings, sparse_cache
+from .conftest import dense_cache, run, small_settings, sparse_cache, tiny_model
 
 PROMPT = 700
 
@@ -53,6 +54,26 @@ def test_block_completion_and_anchor_timing(tiny):
     assert (
         s.kv_bytes == 4 * 2 * 2 * (400 // 32) * 32 * 32 * 4
     )  # layers, K+V, heads, tokens, dim, fp32
+
+
+@pytest.mark.parametrize(
+    ("anchor_type", "stored"),
+    [("QUEST", torch.bfloat16), ("BLOCK_MAX", torch.bfloat16), ("BLOCK_MEAN", torch.float32)],
+)
+def test_anchors_that_are_key_values_stay_in_the_keys_dtype(anchor_type, stored):
+    # With bf16 keys, QUEST's and BLOCK_MAX's per-channel minimum and maximum are bf16
+    # values: stored as bf16 they are exact at half the bytes; a mean keeps fp32.
+    model = tiny_model(dtype=torch.bfloat16)
+    cache = sparse_cache(model, small_settings(anchor_type=anchor_type))
+    run(model, cache, _ids(), 64)
+    n = cache._n_anchored
+    slots = (cache._head_base + torch.arange(1, n)).reshape(-1)
+    for st in cache._layers:
+        assert st.anchors.dtype == stored
+        keys = st.k_pool.storage[slots].view(2, n - 1, 32, 32).transpose(0, 1)
+        assert torch.equal(st.anchors[1:n].float(), block_anchors(keys, anchor_type, 1))
+    rows = anchor_rows(anchor_type)
+    assert cache.stats().anchor_bytes == 4 * n * 2 * rows * 32 * stored.itemsize
 
 
 class NoRotation:
@@ -191,7 +212,7 @@ def test_decode_read_bytes_counts_what_a_step_reads(tiny, kv_type):
     in_place = kv_type == "FP16" and cache._cpu_kernels
     copy = 0 if in_place else 2 * 32 * full  # the gather buffer's write + read
     gathered = 2 * 2 * slot + copy  # per block
-    anchors = 16 * 2 * 2 * 32 * 4  # QUEST: fp32 min and max keys per block and head
+    anchors = 16 * 2 * 2 * 32 * 4  # QUEST: min and max keys per block and head, fp32 as the keys
     dense_layer = 17 * 32 * full if kv_type == "FP16" else 17 * gathered
     sparse_layer = 5 * gathered + anchors
     assert cache.decode_read_bytes() == 4 * window + dense_layer + 3 * sparse_layer

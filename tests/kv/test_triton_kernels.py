@@ -104,8 +104,10 @@ def test_reference_mirrors(dtype, group):
 @pytest.mark.parametrize("group", [1, 3, 4, 8])
 @pytest.mark.parametrize("mode", HEAD_SELECT_MODES)
 @pytest.mark.parametrize("anchor_type", ANCHOR_TYPES)
-def test_scoring_matches_reference(anchor_type, mode, group):
-    _assert_all([checks.check_scoring(OPS, "cpu", anchor_type, mode, group)])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_scoring_matches_reference(dtype, anchor_type, mode, group):
+    # QUEST and BLOCK_MAX anchors come in the keys' dtype (fp16 here), the others in fp32.
+    _assert_all([checks.check_scoring(OPS, "cpu", dtype, anchor_type, mode, group)])
 
 
 def test_scoring_picks_the_same_blocks():
