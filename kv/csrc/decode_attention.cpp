@@ -4,9 +4,12 @@
 // per KV head) that stream keys at a fraction of the memory bandwidth. Here each KV head's
 // keys are read in place (the local window, the sinks, the block store), 128 rows at a time
 // with the next 128 prefetched, scored by the head's query group and folded into an fp32
-// online softmax, so every byte of K and V is read from DRAM once. With AVX512-BF16, bf16 keys
-// are scored by bf16 pair-product instructions and values widened by a shift, which halves
-// the instructions per key (30 layers of a 128K decode step: 10.3 -> 7 ms of attention).
+// online softmax, so every byte of K and V is read from DRAM once. With AVX512-BF16 the
+// kernel is bound by its vector instructions (Zen 4 runs 512-bit ones at half rate), so bf16
+// keys are scored by bf16 pair-product instructions, and values are accumulated by them too,
+// with the probabilities rounded to bf16 (a relative 2^-9, below the bf16 output's own
+// rounding). 30 layers of a 128K decode step: 10.3 ms of attention with fp32 arithmetic,
+// ~7 ms with pair-product scores, ~6.6 ms with pair-product values as well.
 //
 // A key set: rows of head_dim elements in a contiguous source tensor; per KV head, `runs`
 // of `rows` rows each, `stride` elements apart, starting at element starts[h][r]; read with
@@ -129,42 +132,70 @@ void scores_dpbf16(const __m512bh* qb, int G, const uint16_t* kb, int64_t stride
   }
 }
 
-// acc[g] += sum over the tile's rows of p[g][t] * v[t], in fp32 from bf16 values. A row's
-// 32-value chunk splits into its even and odd elements as fp32 with one shift or mask each,
-// so acc holds each chunk's even elements, then its odd ones (dpbf16_slot maps them back).
+// acc[g] += sum over the tile's rows of p[g][t] * v[t], by bf16 pair products summed in fp32:
+// rows t and t+1 are interleaved element by element once (into `pairs`, for every query of the
+// group), then each query's (p[t], p[t+1]) pair multiplies them in one vdpbf16ps per 16
+// outputs. The probabilities are bf16 values already (attend rounds them, and sums the rounded
+// ones, so the weights stay normalised). acc holds the outputs in the order the interleave
+// leaves them; dpbf16_slot maps them back.
 template <int D>
 void accumulate_dpbf16(const float* p, int G, const uint16_t* vb, int64_t stride, int64_t tn,
-                       const Ahead& ahead, float* tile, float* acc) {
-  constexpr int W = D / 16;  // fp32 vectors per row
-  const __m512i odd = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  for (int64_t t = 0; t < tn; ++t) {
+                       const Ahead& ahead, uint16_t* pairs, float* acc) {
+  constexpr int W = D / 32;  // 32-value chunks per row
+  const int64_t n_pairs = (tn + 1) / 2;
+  for (int64_t i = 0; i < n_pairs; ++i) {
+    const int64_t t = 2 * i;
     prefetch_row<D * 2>(ahead.v, ahead.stride, ahead.rows, t);
+    prefetch_row<D * 2>(ahead.v, ahead.stride, ahead.rows, t + 1);
     const uint16_t* row = vb + t * stride;
-    float* dst = tile + t * D;
+    __m512i* dst = reinterpret_cast<__m512i*>(pairs + i * 2 * D);
 #pragma GCC unroll 8
-    for (int j = 0; j < W / 2; ++j) {
+    for (int j = 0; j < W; ++j) {
       const __m512i x = _mm512_loadu_si512(row + 32 * j);
-      _mm512_storeu_ps(dst + 32 * j, _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)));
-      _mm512_storeu_ps(dst + 32 * j + 16, _mm512_castsi512_ps(_mm512_and_si512(x, odd)));
+      const __m512i y = t + 1 < tn ? _mm512_loadu_si512(row + stride + 32 * j)
+                                   : _mm512_setzero_si512();
+      _mm512_storeu_si512(dst + 2 * j, _mm512_unpacklo_epi16(x, y));
+      _mm512_storeu_si512(dst + 2 * j + 1, _mm512_unpackhi_epi16(x, y));
     }
   }
   for (int g = 0; g < G; ++g) {
-    __m512 a[W];
+    const float* pg = p + g * TILE;
+    __m512 a[2 * W];
 #pragma GCC unroll 16
-    for (int j = 0; j < W; ++j) a[j] = _mm512_loadu_ps(acc + g * D + 16 * j);
-    for (int64_t t = 0; t < tn; ++t) {
-      const __m512 pt = _mm512_set1_ps(p[g * TILE + t]);
+    for (int j = 0; j < 2 * W; ++j) a[j] = _mm512_loadu_ps(acc + g * D + 16 * j);
+    for (int64_t i = 0; i < n_pairs; ++i) {
+      const int64_t t = 2 * i;
+      uint32_t lo, hi = 0;
+      std::memcpy(&lo, pg + t, 4);
+      if (t + 1 < tn) std::memcpy(&hi, pg + t + 1, 4);
+      // Both probabilities are bf16 values: their high halves are their bf16 encodings.
+      const __m512bh pp = (__m512bh)_mm512_set1_epi32(static_cast<int>((lo >> 16) | (hi & 0xFFFF0000u)));
+      const __m512i* src = reinterpret_cast<const __m512i*>(pairs + i * 2 * D);
 #pragma GCC unroll 16
-      for (int j = 0; j < W; ++j) a[j] = _mm512_fmadd_ps(pt, _mm512_loadu_ps(tile + t * D + 16 * j), a[j]);
+      for (int j = 0; j < 2 * W; ++j)
+        a[j] = _mm512_dpbf16_ps(a[j], pp, (__m512bh)_mm512_loadu_si512(src + j));
     }
 #pragma GCC unroll 16
-    for (int j = 0; j < W; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, a[j]);
+    for (int j = 0; j < 2 * W; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, a[j]);
   }
 }
 #endif
 
-// Where accumulate_dpbf16 keeps output element d: chunks of 32, even elements first.
-inline int64_t dpbf16_slot(int64_t d) { return (d & ~31) + ((d & 1) << 4) + ((d & 31) >> 1); }
+// Where accumulate_dpbf16 keeps output element d: per 32-value chunk, the unpacks put
+// elements 8L+0..3 of each 128-bit lane L in the first vector and 8L+4..7 in the second.
+inline int64_t dpbf16_slot(int64_t d) {
+  const int64_t r = d & 31;
+  return (d & ~31) + (((r >> 2) & 1) << 4) + ((r >> 3) << 2) + (r & 3);
+}
+
+// Rounded to the nearest bf16 value (ties to even), as an fp32.
+inline float round_bf16(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, 4);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&x, &bits, 4);
+  return x;
+}
 
 // The tile's tn rows as fp32 in `tile`, prefetching the matching rows of `next` (the next
 // tile's keys or values).
@@ -183,7 +214,8 @@ void widen_rows(const T* src, int64_t stride, int64_t tn, const char* next, cons
 template <typename T, int D, bool DP>
 void attend(const float* q, int G, const std::vector<Set>& sets, const Run* runs, int64_t n_runs,
             float scale, float* m, float* l, float* acc) {
-  std::vector<float> s(G * TILE), tile(TILE * D);
+  std::vector<float> s(G * TILE), tile(DP ? 0 : TILE * D);
+  std::vector<uint16_t> pairs(DP ? (TILE + 1) * D : 0);
 #if KVCHAT_DPBF16
   std::vector<__m512bh> qb(DP ? 2 * G * D / 32 : 0);
   for (size_t i = 0; i < qb.size(); ++i)
@@ -238,7 +270,8 @@ void attend(const float* q, int G, const std::vector<Set>& sets, const Run* runs
         float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < tn; ++t) {
-          const float p = std::exp(sg[t] - mx);
+          float p = std::exp(sg[t] - mx);
+          if constexpr (DP) p = round_bf16(p);
           sg[t] = p;
           sum += p;
         }
@@ -250,7 +283,7 @@ void attend(const float* q, int G, const std::vector<Set>& sets, const Run* runs
       if constexpr (DP) {
 #if KVCHAT_DPBF16
         accumulate_dpbf16<D>(s.data(), G, reinterpret_cast<const uint16_t*>(vb) + t0 * set.stride,
-                             set.stride, tn, ahead, tile.data(), acc);
+                             set.stride, tn, ahead, pairs.data(), acc);
 #endif
       } else {
         widen_rows<T, D>(vb + t0 * set.stride, set.stride, tn, ahead.v, ahead, tile.data());
