@@ -32,6 +32,7 @@
 namespace {
 
 constexpr int64_t TILE = 128;
+static_assert(TILE % 2 == 0, "accumulate_dpbf16 interleaves a tile's rows in pairs");
 // Built with -ffast-math (vectorised exp and reductions), which assumes no infinities: the
 // running max starts at a finite floor instead, and exp(floor - max) is 0 all the same.
 constexpr float NO_MAX = -1e30f;
@@ -215,7 +216,7 @@ template <typename T, int D, bool DP>
 void attend(const float* q, int G, const std::vector<Set>& sets, const Run* runs, int64_t n_runs,
             float scale, float* m, float* l, float* acc) {
   std::vector<float> s(G * TILE), tile(DP ? 0 : TILE * D);
-  std::vector<uint16_t> pairs(DP ? (TILE + 1) * D : 0);
+  std::vector<uint16_t> pairs(DP ? TILE * D : 0);
 #if KVCHAT_DPBF16
   std::vector<__m512bh> qb(DP ? 2 * G * D / 32 : 0);
   for (size_t i = 0; i < qb.size(); ++i)
