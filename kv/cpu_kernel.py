@@ -31,6 +31,7 @@ SOURCES = [
     Path(__file__).with_name("csrc") / name
     for name in ("bindings.cpp", "decode_attention.cpp", "select_blocks.cpp")
 ]
+HEADERS = [Path(__file__).with_name("csrc") / "bf16.h"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 # A build takes ~30-80 s here; torch's lock file that old was left by a process killed while
 # it built (Ctrl-C on a first start), and torch would wait on it forever.
@@ -50,7 +51,7 @@ def load() -> ModuleType | None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     # The build is for these sources, this torch and Python, and this CPU (-march=native:
     # a home directory shared with another CPU model must not load it).
-    sources = b"".join(path.read_bytes() for path in SOURCES)
+    sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
     versions = f"{torch.__version__} {sys.version_info[:2]} {_cpu_flags()}"
     name = f"kvchat_cpu_kernels_{hashlib.sha256(sources + versions.encode()).hexdigest()[:12]}"
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()

@@ -22,6 +22,8 @@
 #include <cstring>
 #include <vector>
 
+#include "bf16.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define KVCHAT_DPBF16 1
@@ -38,12 +40,7 @@ static_assert(TILE % 2 == 0, "accumulate_dpbf16 interleaves a tile's rows in pai
 constexpr float NO_MAX = -1e30f;
 
 inline float load(const float* p, int64_t i) { return p[i]; }
-inline float load(const uint16_t* p, int64_t i) {
-  const uint32_t bits = static_cast<uint32_t>(p[i]) << 16;  // bf16 is fp32's high half
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+inline float load(const uint16_t* p, int64_t i) { return kvchat::bf16_to_float(p[i]); }
 
 struct Run {
   int set;

@@ -16,19 +16,15 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <numeric>
 #include <vector>
+
+#include "bf16.h"
 
 namespace {
 
 inline float widen(float x) { return x; }
-inline float widen(uint16_t x) {
-  const uint32_t bits = static_cast<uint32_t>(x) << 16;  // bf16 is fp32's high half
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-}
+inline float widen(uint16_t x) { return kvchat::bf16_to_float(x); }
 
 // Block b's score, per KV head into scores[h * n + b], or summed over heads into scores[b].
 template <typename A>
