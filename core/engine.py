@@ -207,7 +207,10 @@ class Session:
         if self._cache is None:
             self.prepare(len(self.tokens) + len(ids) + engine.settings.generation.max_new_tokens)
         chunk = min(engine.settings.long_context.chunk_size, self.cache.max_chunk or len(ids) or 1)
-        self.cache.reserve(len(self.tokens) + len(ids))
+        # The reply's tokens too: the plan counts them, and the dense cache grows for them by
+        # doubling (a 32K context's first reply token took 0.2 GiB more than its plan).
+        reply = engine.settings.generation.max_new_tokens
+        self.cache.reserve(len(self.tokens) + len(ids) + reply)
         if len(ids) > chunk:
             # Tokenizing a long document leaves its temporaries in the allocator's arenas
             # (~57 MB at 128K tokens): give them back before the cache grows past them.

@@ -48,13 +48,18 @@ class DenseBackend(AttentionBackend):
         return self._length
 
     def reserve(self, n_tokens: int) -> None:
-        self._grow(min(n_tokens, self.max_tokens))
+        # A known size, which the plan counts: grown by doubling, the cache could hold up to
+        # twice it.
+        self._resize(min(n_tokens, self.max_tokens))
 
     def _grow(self, needed: int) -> None:
-        if needed <= self._capacity:
+        if needed > self._capacity:
+            # Doubling keeps the copies of a long chunked prefill linear in total.
+            self._resize(min(max(needed, 2 * self._capacity, 256), self.max_tokens))
+
+    def _resize(self, capacity: int) -> None:
+        if capacity <= self._capacity:
             return
-        # Doubling keeps the copies of a long chunked prefill linear in total.
-        capacity = min(max(needed, 2 * self._capacity, 256), self.max_tokens)
         shape = (self.n_kv_heads, capacity, self.head_dim)
         keep = self._length
         for store in (self._k, self._v):

@@ -156,3 +156,16 @@ def test_stats_snapshot(engine_fp32):
     assert s.cache.resident_tokens == s.context_tokens  # all of it still in the local window
     with pytest.raises(AttributeError):
         s.context_tokens = 0  # type: ignore[misc]
+
+
+def test_a_dense_cache_is_reserved_for_the_prompt_and_the_reply(engine_fp32, settings_fp32):
+    # The plan counts prompt + max_new_tokens; a cache that grew for the reply would double.
+    settings = replace(
+        settings_fp32,
+        long_context=replace(settings_fp32.long_context, attention="dense"),
+        generation=replace(settings_fp32.generation, max_new_tokens=9),
+    )
+    session = engine_fp32.with_settings(settings).new_session()
+    ids = session.conversation.prompt_ids(engine_fp32.tokenizer, "Name a colour.")
+    session.sync(ids)
+    assert session.cache._capacity == len(ids) + 9
