@@ -651,8 +651,7 @@ class SparseBackend(AttentionBackend):
         sinks = _SINK_BLOCKS if window_start >= _SINK_BLOCKS * self.block else 0
         candidates = max(window_start // self.block - _SINK_BLOCKS, 0)
         slot = self._layers[0].k_pool.bytes_per_slot
-        anchors = self._layers[0].anchors
-        anchor = anchors[0].numel() * anchors.element_size()
+        anchor = self._layers[0].anchors[0].nbytes
         in_place = lc.kv_type == "FP16" and self.tier is None  # see _retrieve
         # The torch path writes what it gathers to a buffer and reads it again; the kernels
         # read blocks where they are, but the CPU kernel reads quantized ones dequantized.
