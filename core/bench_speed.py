@@ -8,18 +8,17 @@ from __future__ import annotations
 
 import os
 import platform
-import resource
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, replace
 
-import psutil
 import torch
 
 from kvchat.config import Settings
 
 from .engine import Engine
 from .haystack import make_passkey_document
+from .memory import peak_rss, process_rss, reset_peak_rss
 from .weights import resolve_model_path
 
 Log = Callable[[str], None]
@@ -47,9 +46,8 @@ def memory_copy_rate(n_bytes: int = 512 * 1024**2, repeats: int = 5) -> float:
     return 2 * n_bytes / best
 
 
-def _bench_ours(
-    engine: Engine, ids: list[int], decode_tokens: int, copy_rate: float
-) -> dict[str, float]:
+def _bench_ours(engine: Engine, ids: list[int], decode_tokens: int) -> dict[str, float]:
+    per_context = reset_peak_rss()
     session = engine.new_session()
     started = time.perf_counter()
     logits = session.extend(ids)
@@ -70,20 +68,26 @@ def _bench_ours(
         "decode_tok_s": decode_tokens / decode_s,
         "prefill_s": prefill_s,
         "decode_s": decode_s,
-        # The decode roofline: bytes a step must read (weights + the KV and anchors it
-        # touches) at the measured copy rate, against the time it took.
+        # Bytes a step must read (weights + the KV and anchors it touches) per second of
+        # decode: against the machine's copy rate, the fraction of the roofline.
         "decode_bytes_per_token": read_bytes / decode_tokens,
-        "decode_roofline_fraction": read_bytes / decode_s / copy_rate,
+        "decode_read_bytes_per_s": read_bytes / decode_s,
         "attention": session.cache.name,
         "position_mode": session.cache.position_mode,
-        # Whole-process RSS (interpreter and libraries included) against the plan's total;
-        # the peak is the process's so far, which is this context's when contexts ascend.
-        "rss_bytes": psutil.Process().memory_info().rss,
-        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        # Whole-process RSS (interpreter and libraries included) against the plan's total.
+        # The peak is this context's (from its prefill to its last token) where the OS can
+        # reset the peak, else the process's so far (the model loading's, at small contexts).
+        "rss_bytes": process_rss(),
+        "peak_rss_bytes": peak_rss(),
+        "peak_rss_scope": "context" if per_context else "process",
         "plan_total_bytes": plan.total_bytes,
     }
     session.drop_cache()  # the next context's memory is measured without this one
     return result
+
+
+def _gib(n: int) -> str:
+    return f"{n / 1024**3:.3f}"
 
 
 def _load_transformers(spec: str):
@@ -149,26 +153,45 @@ def run_speed_bench(
         replace(settings, long_context=replace(settings.long_context, attention="dense"))
     )
     hf = _load_transformers(model_spec or settings.model.path) if with_transformers else None
-    copy_rate = memory_copy_rate()
-    log(f"memory copy rate {copy_rate / 1e9:.1f} GB/s (read + write), the decode roofline")
+    # The copy rate of this shared machine has read anywhere from 42 to 78 GB/s from one run
+    # to the next: it is measured before and after every context, and the roofline is the
+    # best of them (what the machine showed it can do in this run).
+    copy_rates = [memory_copy_rate()]
+    log(f"memory copy rate {copy_rates[0] / 1e9:.1f} GB/s (read + write)")
     rows = []
     for n in contexts:
         ids = _prompt_ids(engine, n)
-        ours = _bench_ours(engine, ids, decode_tokens, copy_rate)
+        ours = _bench_ours(engine, ids, decode_tokens)
         row: dict = {"context": n, "kvchat": ours}
         line = (
             f"{n:>7} tokens  kvchat prefill {ours['prefill_tok_s']:7.1f} tok/s  "
             f"decode {ours['decode_tok_s']:6.1f} tok/s "
             f"({ours['decode_bytes_per_token'] / 1e6:.0f} MB/token, "
-            f"{ours['decode_roofline_fraction']:.0%} of roofline)"
+            f"{ours['decode_read_bytes_per_s'] / 1e9:.1f} GB/s), peak RSS "
+            f"{_gib(ours['peak_rss_bytes'])} / plan {_gib(ours['plan_total_bytes'])} GiB"
         )
         if hf is not None:
             line += _compare(row, "transformers", ours, _bench_transformers(hf, ids, decode_tokens))
         if n in compare_dense and engine.settings.long_context.attention != "dense":
-            theirs = _bench_ours(dense, ids, decode_tokens, copy_rate)
+            theirs = _bench_ours(dense, ids, decode_tokens)
             line += _compare(row, "dense", ours, theirs)
         log(line)
         rows.append(row)
+        copy_rates.append(memory_copy_rate())
+    roofline = max(copy_rates)
+    for row in rows:
+        for name in ("kvchat", "dense"):
+            if name in row:
+                run = row[name]
+                run["decode_roofline_fraction"] = run["decode_read_bytes_per_s"] / roofline
+    log(
+        f"roofline: the best of {len(copy_rates)} copy rates, {roofline / 1e9:.1f} GB/s "
+        f"(lowest {min(copy_rates) / 1e9:.1f}); decode reads at "
+        + ", ".join(
+            f"{row['context']}: {row['kvchat']['decode_roofline_fraction']:.0%}" for row in rows
+        )
+        + " of it"
+    )
     stats = engine.stats()
     return {
         "benchmark": "speed",
@@ -180,7 +203,8 @@ def run_speed_bench(
         "threads": stats.threads,
         "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
         "torch": torch.__version__,
-        "memory_copy_bytes_per_s": copy_rate,
+        "memory_copy_bytes_per_s": roofline,
+        "memory_copy_samples": copy_rates,
         "weights_read_bytes_per_token": engine.model.decode_read_bytes,
         "decode_tokens": decode_tokens,
         "results": rows,

@@ -1,10 +1,12 @@
-"""Process memory: what this process holds, and giving freed heap back to the OS."""
+"""Process memory: what this process holds, its peak, and giving freed heap back to the OS."""
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import resource
 from functools import cache
+from pathlib import Path
 
 import psutil
 
@@ -35,3 +37,33 @@ def release_freed_memory() -> None:
 
 def process_rss() -> int:
     return psutil.Process().memory_info().rss
+
+
+def reset_peak_rss() -> bool:
+    """Start a new peak: Linux resets the process's high-water mark (VmHWM) when "5" is
+    written to /proc/self/clear_refs. False where that is not possible, and peak_rss() then
+    keeps counting from the process's start."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return False
+    return _vm_hwm() is not None
+
+
+def peak_rss() -> int:
+    """The most resident memory since the last reset_peak_rss() (the process's start if none)."""
+    hwm = _vm_hwm()
+    if hwm is not None:
+        return hwm
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _vm_hwm() -> int | None:
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    for line in status.splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    return None

@@ -36,7 +36,15 @@ def test_speed_bench_reports_ratios_and_roofline():
     assert ours["decode_bytes_per_token"] > weights
     assert row["dense"]["decode_bytes_per_token"] > weights
     assert 0 < ours["decode_roofline_fraction"] < 2
-    assert "of roofline" in lines[-1] and "x" in lines[-1]
+    # The peak is this context's own (not the model loading's) and holds what remains.
+    assert ours["peak_rss_scope"] == "context"
+    assert ours["peak_rss_bytes"] >= ours["rss_bytes"] * 0.99
+    assert "peak RSS" in lines[-2] and "/ plan" in lines[-2]
+    assert "x" in lines[-2] and "GB/s" in lines[-2]
+    # The roofline is the best copy rate of the run: before and after the one context.
+    assert len(result["memory_copy_samples"]) == 2
+    assert result["memory_copy_bytes_per_s"] == max(result["memory_copy_samples"])
+    assert "roofline" in lines[-1] and "400: " in lines[-1]
 
 
 def test_memory_copy_rate_is_a_plausible_bandwidth():
