@@ -97,15 +97,18 @@ def _cpu_flags() -> str:
 def decode_attention(
     q0: torch.Tensor,
     q1: torch.Tensor,
-    sets: list[tuple[torch.Tensor, torch.Tensor, int, int, int, torch.Tensor]],
+    sets: list[tuple],
     n_kv: int,
 ) -> torch.Tensor:
     """One decode query per head over key sets read in place; [n_heads, 1, D] in q0's dtype.
 
     q0, q1: [n_heads, 1, D], the two rotations of the query. Each set is (k, v, qid, stride,
-    rows, starts): contiguous K and V sources of the same shape, read as rows of D elements
-    `stride` elements apart, `rows` rows from each element offset in starts (int64
-    [n_kv, runs]), scored with q0 (qid 0) or q1 (qid 1). One softmax over every set.
+    rows, starts[, int8]): contiguous K and V sources of the same shape, read as rows of D
+    elements `stride` elements apart, `rows` rows from each element offset in starts (int64
+    [n_kv, runs]), scored with q0 (qid 0) or q1 (qid 1). With int8 true the sources are an
+    INT8 BlockPool's storage and each run one block (starts in bytes, stride D), dequantized
+    in the kernel as the pool's gather would. One softmax over every set; the first set is
+    not INT8.
     """
     n_heads, _, dim = q0.shape
     out = _module().decode_attention(
@@ -117,6 +120,7 @@ def decode_attention(
         [s[3] for s in sets],
         [s[4] for s in sets],
         [s[5] for s in sets],
+        [len(s) > 6 and s[6] for s in sets],
         n_kv,
         dim**-0.5,
     )

@@ -511,8 +511,9 @@ class SparseBackend(AttentionBackend):
             (ws * n_kv + heads) * dim,
         )
         sets = [window]
-        if st.k_pool.kv_type != "FP16":
-            # Quantized blocks are dequantized into the gather buffer first (sinks included).
+        if not self._reads_store_in_place(layer):
+            # INT4 blocks, and every block of a dense layer in INT8, are dequantized into the
+            # gather buffer first (sinks included).
             k, v = self._retrieve(layer, st, q_far, sinks)
             if k.shape[1]:
                 sets.append((k, v, 1, dim, k.shape[1], heads * k.shape[1] * dim))
@@ -529,8 +530,18 @@ class SparseBackend(AttentionBackend):
             sets.append((pool_k, pool_v, 1, dim, rows, starts))
         elif blocks is not None and blocks.shape[-1]:
             slots = self._count_reads(layer, blocks)
-            sets.append((pool_k, pool_v, 1, dim, b, slots * b * dim))
+            if st.k_pool.kv_type == "INT8":
+                # Read where they lie, half the bytes of FP16, dequantized in the kernel.
+                sets.append((pool_k, pool_v, 1, dim, b, slots * st.k_pool.bytes_per_slot, True))
+            else:
+                sets.append((pool_k, pool_v, 1, dim, b, slots * b * dim))
         return cpu_kernel.decode_attention(qa, q_far, sets, n_kv)
+
+    def _reads_store_in_place(self, layer: int) -> bool:
+        """Whether the CPU decode kernel reads this layer's blocks from the store (FP16, and
+        INT8 blocks that selection picked) rather than from the gather buffer."""
+        kv_type = self.lc.kv_type
+        return kv_type == "FP16" or (kv_type == "INT8" and layer >= self.lc.dense_layer_num)
 
     def _count_reads(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
         """Store slots [n_kv, k] of `blocks` ([k] shared or [n_kv, k]), counted by the device
@@ -642,8 +653,8 @@ class SparseBackend(AttentionBackend):
     def decode_read_bytes(self) -> int:
         """The window in place; the sink block and the selected blocks read in kv_type (from
         the store, then from the gather buffer they are dequantized into, on the torch path
-        and for quantized blocks on the CPU kernel's; once otherwise); every candidate's
-        anchors scored."""
+        and for INT4 blocks or a dense layer's INT8 ones on the CPU kernel's; once
+        otherwise); every candidate's anchors scored."""
         lc = self.lc
         window_start = self._window_start_at(self._length)
         full = 2 * self.n_kv * self.head_dim * self.dtype.itemsize  # K and V of one token
@@ -653,25 +664,24 @@ class SparseBackend(AttentionBackend):
         slot = self._layers[0].k_pool.bytes_per_slot
         anchor = self._layers[0].anchors[0].nbytes
         in_place = lc.kv_type == "FP16" and self.tier is None  # see _retrieve
-        # The torch path writes what it gathers to a buffer and reads it again; the kernels
-        # read blocks where they are, but the CPU kernel reads quantized ones dequantized.
-        copied = self.tier is None and not (self._cpu_kernels and lc.kv_type == "FP16")
-        gathered = 2 * self.block * full if copied else 0
         total = 0
         for layer in range(self.n_layers):
             total += window
             if layer < lc.dense_layer_num and in_place:
                 total += (sinks + candidates) * self.block * full
                 continue
-            if self.tier is not None:  # the kernels read the sinks in place
+            # The kernels read blocks where they are and the sinks in place, in full
+            # precision; the torch path writes what it gathers to a buffer and reads it again.
+            kernel = self.tier is not None or (
+                self._cpu_kernels and self._reads_store_in_place(layer)
+            )
+            if kernel:
                 total += sinks * self.block * full
-                sinks_gathered = 0
-            else:
-                sinks_gathered = sinks
             read = (
                 candidates if layer < lc.dense_layer_num else min(candidates, lc.second_select_num)
             )
-            total += (read + sinks_gathered) * (2 * self.n_kv * slot + gathered)
+            gathered = 0 if kernel else 2 * self.block * full
+            total += (read + (0 if kernel else sinks)) * (2 * self.n_kv * slot + gathered)
             if layer >= lc.dense_layer_num:
                 total += candidates * anchor
         return total

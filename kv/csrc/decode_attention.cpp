@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "bf16.h"
@@ -53,6 +54,10 @@ struct Set {
   const void* v;
   int qid;
   int64_t stride;
+  // INT8 blocks (kv/quant.py): each run is a block of `rows` rows of D int8 values followed
+  // by their fp16 scales (one per 32 values), `start` its byte offset; dequantized a tile at
+  // a time into a buffer that the rest of the kernel reads like any other rows.
+  bool int8 = false;
 };
 
 // The tile after this one, whose rows are prefetched one by one while this tile's rows are
@@ -64,20 +69,61 @@ struct Ahead {
   const char* v = nullptr;
   int64_t stride = 0;  // bytes
   int64_t rows = 0;
+  int64_t width = 0;  // bytes of a row
+  // An INT8 tile's fp16 scales (kept after the block's rows), prefetched at once.
+  const char* k_scales = nullptr;
+  const char* v_scales = nullptr;
+  int64_t scale_bytes = 0;
 };
 
-template <int BYTES>
-inline void prefetch_row(const char* base, int64_t stride, int64_t rows, int64_t t) {
-  if (t >= rows) return;
-  const char* row = base + t * stride;
-#pragma GCC unroll 8
-  for (int off = 0; off < BYTES; off += 64) {
+inline void prefetch_line(const char* p) {
 #if defined(__x86_64__)
-    // GCC 12 drops __builtin_prefetch here (none left in the object code).
-    asm volatile("prefetcht0 %0" : : "m"(row[off]));
+  // GCC 12 drops __builtin_prefetch here (none left in the object code).
+  asm volatile("prefetcht0 %0" : : "m"(*p));
 #else
-    __builtin_prefetch(row + off);
+  __builtin_prefetch(p);
 #endif
+}
+
+inline void prefetch_row(const char* base, const Ahead& ahead, int64_t t) {
+  if (t >= ahead.rows) return;
+  const char* row = base + t * ahead.stride;
+  for (int64_t off = 0; off < ahead.width; off += 64) prefetch_line(row + off);
+}
+
+// Rows [t0, t0 + tn) of an INT8 block of `rows` rows in T, as BlockPool.gather makes them:
+// q * scale in fp32, rounded once to T.
+template <typename T, int D>
+void dequant_int8(const uint8_t* block, int64_t rows, int64_t t0, int64_t tn, T* out) {
+  constexpr int GROUPS = D / 32;
+  const int8_t* q = reinterpret_cast<const int8_t*>(block) + t0 * D;
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(block + rows * D) + t0 * GROUPS;
+  for (int64_t t = 0; t < tn; ++t) {
+    for (int g = 0; g < GROUPS; ++g) {
+      const float scale = static_cast<float>(c10::Half(scales[t * GROUPS + g], c10::Half::from_bits()));
+      const int8_t* qg = q + t * D + 32 * g;
+      T* og = out + t * D + 32 * g;
+#if KVCHAT_DPBF16
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        // vcvtne2ps2bf16 rounds to nearest even as torch does (it flushes subnormals, which
+        // q * scale never is: scales are at least 2^-14).
+        const __m512 sc = _mm512_set1_ps(scale);
+        const __m512 lo = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)))), sc);
+        const __m512 hi = _mm512_mul_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16)))), sc);
+        _mm512_storeu_si512(og, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        continue;
+      }
+#endif
+      for (int i = 0; i < 32; ++i) {
+        const float x = static_cast<float>(qg[i]) * scale;
+        if constexpr (std::is_same_v<T, uint16_t>)
+          og[i] = c10::BFloat16(x).x;
+        else
+          og[i] = x;
+      }
+    }
   }
 }
 
@@ -114,7 +160,7 @@ void scores_dpbf16(const __m512bh* qb, int G, const uint16_t* kb, int64_t stride
       __m512 acc[16];
 #pragma GCC unroll 16
       for (int r = 0; r < 16; ++r) {
-        if (g == 0) prefetch_row<D * 2>(ahead.k, ahead.stride, ahead.rows, t0 + r);
+        if (g == 0) prefetch_row(ahead.k, ahead, t0 + r);
         acc[r] = _mm512_setzero_ps();
         if (r < n) {
           const uint16_t* row = kb + (t0 + r) * stride;
@@ -143,8 +189,8 @@ void accumulate_dpbf16(const float* p, int G, const uint16_t* vb, int64_t stride
   const int64_t n_pairs = (tn + 1) / 2;
   for (int64_t i = 0; i < n_pairs; ++i) {
     const int64_t t = 2 * i;
-    prefetch_row<D * 2>(ahead.v, ahead.stride, ahead.rows, t);
-    prefetch_row<D * 2>(ahead.v, ahead.stride, ahead.rows, t + 1);
+    prefetch_row(ahead.v, ahead, t);
+    prefetch_row(ahead.v, ahead, t + 1);
     const uint16_t* row = vb + t * stride;
     __m512i* dst = reinterpret_cast<__m512i*>(pairs + i * 2 * D);
 #pragma GCC unroll 8
@@ -201,7 +247,7 @@ template <typename T, int D>
 void widen_rows(const T* src, int64_t stride, int64_t tn, const char* next, const Ahead& ahead,
                 float* tile) {
   for (int64_t t = 0; t < tn; ++t) {
-    prefetch_row<D * sizeof(T)>(next, ahead.stride, ahead.rows, t);
+    prefetch_row(next, ahead, t);
     const T* row = src + t * stride;
     for (int d = 0; d < D; ++d) tile[t * D + d] = load(row, d);
   }
@@ -222,32 +268,61 @@ void attend(const float* q, int G, const std::vector<Set>& sets, const Run* runs
   std::fill(m, m + G, NO_MAX);
   std::fill(l, l + G, 0.f);
   std::fill(acc, acc + G * D, 0.f);
+  // Where tile t0 of run r lies, and how wide its rows are.
+  auto tile_at = [&](int64_t r, int64_t t0) {
+    const Set& set = sets[runs[r].set];
+    const char* k = static_cast<const char*>(set.k);
+    const char* v = static_cast<const char*>(set.v);
+    const int64_t row = set.int8 ? D : set.stride * static_cast<int64_t>(sizeof(T));
+    const int64_t start = set.int8 ? runs[r].start : runs[r].start * static_cast<int64_t>(sizeof(T));
+    const int64_t rows = runs[r].rows - t0;
+    Ahead at{k + start + t0 * row, v + start + t0 * row, row, rows,
+             set.int8 ? D : D * static_cast<int64_t>(sizeof(T))};
+    if (set.int8) {
+      const int64_t scales = start + runs[r].rows * D + t0 * (D / 32) * 2;
+      at.k_scales = k + scales;
+      at.v_scales = v + scales;
+      at.scale_bytes = std::min(rows, TILE) * (D / 32) * 2;
+    }
+    return at;
+  };
+  std::vector<T> kq, vq;
   for (int64_t r = 0; r < n_runs; ++r) {
     const Set& set = sets[runs[r].set];
-    const T* kb = static_cast<const T*>(set.k) + runs[r].start;
-    const T* vb = static_cast<const T*>(set.v) + runs[r].start;
     const float* qq = q + set.qid * G * D;
     for (int64_t t0 = 0; t0 < runs[r].rows; t0 += TILE) {
       const int64_t tn = std::min(TILE, runs[r].rows - t0);
       Ahead ahead;
-      if (t0 + TILE < runs[r].rows) {
-        ahead = {reinterpret_cast<const char*>(kb + (t0 + TILE) * set.stride),
-                 reinterpret_cast<const char*>(vb + (t0 + TILE) * set.stride),
-                 set.stride * static_cast<int64_t>(sizeof(T)), runs[r].rows - t0 - TILE};
-      } else if (r + 1 < n_runs) {
-        const Set& next = sets[runs[r + 1].set];
-        ahead = {reinterpret_cast<const char*>(static_cast<const T*>(next.k) + runs[r + 1].start),
-                 reinterpret_cast<const char*>(static_cast<const T*>(next.v) + runs[r + 1].start),
-                 next.stride * static_cast<int64_t>(sizeof(T)), runs[r + 1].rows};
+      if (t0 + TILE < runs[r].rows)
+        ahead = tile_at(r, t0 + TILE);
+      else if (r + 1 < n_runs)
+        ahead = tile_at(r + 1, 0);
+      for (int64_t off = 0; off < ahead.scale_bytes; off += 64) {
+        prefetch_line(ahead.k_scales + off);
+        prefetch_line(ahead.v_scales + off);
+      }
+      const Ahead here = tile_at(r, t0);
+      const T* kb = reinterpret_cast<const T*>(here.k);
+      const T* vb = reinterpret_cast<const T*>(here.v);
+      int64_t stride = set.stride;
+      if (set.int8) {
+        const auto* kblock = static_cast<const uint8_t*>(set.k) + runs[r].start;
+        const auto* vblock = static_cast<const uint8_t*>(set.v) + runs[r].start;
+        if (kq.empty()) kq.resize(TILE * D), vq.resize(TILE * D);
+        dequant_int8<T, D>(kblock, runs[r].rows, t0, tn, kq.data());
+        dequant_int8<T, D>(vblock, runs[r].rows, t0, tn, vq.data());
+        kb = kq.data();
+        vb = vq.data();
+        stride = D;
       }
       if constexpr (DP) {
 #if KVCHAT_DPBF16
         scores_dpbf16<D>(qb.data() + set.qid * G * D / 32, G,
-                         reinterpret_cast<const uint16_t*>(kb) + t0 * set.stride, set.stride, tn,
-                         scale, ahead, s.data());
+                         reinterpret_cast<const uint16_t*>(kb), stride, tn, scale, ahead,
+                         s.data());
 #endif
       } else {
-        widen_rows<T, D>(kb + t0 * set.stride, set.stride, tn, ahead.k, ahead, tile.data());
+        widen_rows<T, D>(kb, stride, tn, ahead.k, ahead, tile.data());
         for (int g = 0; g < G; ++g) {
           const float* qg = qq + g * D;
           float* sg = s.data() + g * TILE;
@@ -280,11 +355,11 @@ void attend(const float* q, int G, const std::vector<Set>& sets, const Run* runs
       }
       if constexpr (DP) {
 #if KVCHAT_DPBF16
-        accumulate_dpbf16<D>(s.data(), G, reinterpret_cast<const uint16_t*>(vb) + t0 * set.stride,
-                             set.stride, tn, ahead, pairs.data(), acc);
+        accumulate_dpbf16<D>(s.data(), G, reinterpret_cast<const uint16_t*>(vb), stride, tn,
+                             ahead, pairs.data(), acc);
 #endif
       } else {
-        widen_rows<T, D>(vb + t0 * set.stride, set.stride, tn, ahead.v, ahead, tile.data());
+        widen_rows<T, D>(vb, stride, tn, ahead.v, ahead, tile.data());
         for (int g = 0; g < G; ++g) {
           const float* pg = s.data() + g * TILE;
           float a[D];
@@ -368,15 +443,18 @@ torch::Tensor dispatch(bool bf16, bool dp, const float* q, int64_t n_kv, int G,
 
 // q0, q1: [n_heads, 1, D] (any float dtype); per set i: k_srcs[i], v_srcs[i] (contiguous, the
 // kv dtype: bf16 or fp32), qids[i], strides[i], rows[i] (rows per run) and starts[i] (int64
-// [n_kv, runs_i]). Returns fp32 [n_kv, G, D].
+// [n_kv, runs_i]); int8[i]: the sources are uint8 rows of INT8 blocks (kv/quant.py's pool
+// storage), each run one block of rows[i] rows, starts[i] in bytes, strides[i] == D. Returns
+// fp32 [n_kv, G, D].
 torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
                                std::vector<torch::Tensor> k_srcs, std::vector<torch::Tensor> v_srcs,
                                std::vector<int64_t> qids, std::vector<int64_t> strides,
                                std::vector<int64_t> rows, std::vector<torch::Tensor> starts,
-                               int64_t n_kv, double scale) {
+                               std::vector<bool> int8, int64_t n_kv, double scale) {
   const int64_t n_heads = q0.size(0), D = q0.size(-1), G = n_heads / n_kv;
   TORCH_CHECK(n_heads % n_kv == 0, "n_heads must be a multiple of n_kv");
   TORCH_CHECK(!k_srcs.empty(), "at least one key set");
+  TORCH_CHECK(int8.size() == k_srcs.size() && !int8[0], "the first set holds the kv dtype");
   const auto dtype = k_srcs[0].scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "keys must be bf16 or fp32");
   // [n_kv, 2, G, D]: both queries of a head next to each other.
@@ -387,8 +465,15 @@ torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
   std::vector<std::vector<Run>> runs(n_kv);
   for (size_t i = 0; i < k_srcs.size(); ++i) {
     TORCH_CHECK(k_srcs[i].is_contiguous() && v_srcs[i].is_contiguous(), "sources must be contiguous");
-    TORCH_CHECK(k_srcs[i].scalar_type() == dtype && v_srcs[i].scalar_type() == dtype, "one dtype");
-    sets.push_back({k_srcs[i].data_ptr(), v_srcs[i].data_ptr(), static_cast<int>(qids[i]), strides[i]});
+    const auto want = int8[i] ? at::kByte : dtype;
+    TORCH_CHECK(k_srcs[i].scalar_type() == want && v_srcs[i].scalar_type() == want,
+                "set ", i, int8[i] ? ": INT8 blocks are uint8 rows" : ": one dtype");
+    TORCH_CHECK(!int8[i] || strides[i] == D, "INT8 rows are D apart");
+    sets.push_back({k_srcs[i].data_ptr(), v_srcs[i].data_ptr(), static_cast<int>(qids[i]),
+                    strides[i], static_cast<bool>(int8[i])});
+    // An INT8 block's rows are followed by their fp16 scales, one per 32 values.
+    const int64_t extent =
+        int8[i] ? rows[i] * (D + D / 32 * 2) : (rows[i] - 1) * strides[i] + D;
     auto st = starts[i].contiguous();
     TORCH_CHECK(st.scalar_type() == at::kLong && st.dim() == 2 && st.size(0) == n_kv, "starts: int64 [n_kv, runs]");
     const int64_t* p = st.data_ptr<int64_t>();
@@ -398,7 +483,7 @@ torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
       for (int64_t r = 0; r < st.size(1); ++r) {
         const int64_t start = p[h * st.size(1) + r];
         if (rows[i] == 0) continue;
-        TORCH_CHECK(start >= 0 && start + (rows[i] - 1) * strides[i] + D <= numel,
+        TORCH_CHECK(start >= 0 && start + extent <= numel,
                     "a run of set ", i, " reads outside its source");
         runs[h].push_back({static_cast<int>(i), start, rows[i]});
       }
