@@ -153,7 +153,7 @@ def run_speed_bench(
         replace(settings, long_context=replace(settings.long_context, attention="dense"))
     )
     hf = _load_transformers(model_spec or settings.model.path) if with_transformers else None
-    # The copy rate of this shared machine has read anywhere from 42 to 78 GB/s from one run
+    # The copy rate of this shared machine has read anywhere from 33 to 78 GB/s from one run
     # to the next: it is measured before and after every context, and the roofline is the
     # best of them (what the machine showed it can do in this run).
     copy_rates = [memory_copy_rate()]

