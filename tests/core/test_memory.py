@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import torch
+import mmap
 
 from kvchat.core.memory import peak_rss, process_rss, reset_peak_rss
 
@@ -10,9 +10,12 @@ MIB = 1024**2
 
 
 def _touch(n_bytes: int) -> None:
-    block = torch.empty(n_bytes, dtype=torch.uint8)
-    block.fill_(1)  # resident, not only reserved
-    del block
+    # Fresh pages from the OS: a tensor of this size could reuse free heap memory that an
+    # earlier test left resident, and the process's RSS would not move.
+    block = mmap.mmap(-1, n_bytes)
+    for offset in range(0, n_bytes, mmap.PAGESIZE):
+        block[offset] = 1  # resident, not only reserved
+    block.close()
 
 
 def test_the_peak_is_counted_from_the_last_reset():
