@@ -530,7 +530,7 @@ class SparseBackend(AttentionBackend):
             sets.append((pool_k, pool_v, 1, dim, rows, starts))
         elif blocks is not None and blocks.shape[-1]:
             slots = self._count_reads(layer, blocks)
-            if st.k_pool.kv_type == "INT8":
+            if self.lc.kv_type == "INT8":
                 # Read where they lie, half the bytes of FP16, dequantized in the kernel.
                 sets.append((pool_k, pool_v, 1, dim, b, slots * st.k_pool.bytes_per_slot, True))
             else:
