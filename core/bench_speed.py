@@ -10,13 +10,13 @@ import os
 import platform
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
 from kvchat.config import Settings
 
-from .engine import Engine
+from .engine import Engine, Session
 from .haystack import make_passkey_document
 from .memory import peak_rss, process_rss, reset_peak_rss
 from .weights import resolve_model_path
@@ -25,6 +25,9 @@ Log = Callable[[str], None]
 # Decode steps run before the clock starts: the first step after a prefill builds the kernels'
 # primitives for one-row shapes and meets cold caches, which is not the steady decode speed.
 WARMUP_TOKENS = 2
+# Rounds of decode_tokens / 4 tokens each side when a context's decode is compared with the
+# first context's, interleaved.
+INTERLEAVED_ROUNDS = 8
 
 
 def _prompt_ids(engine: Engine, n_tokens: int) -> list[int]:
@@ -46,24 +49,41 @@ def memory_copy_rate(n_bytes: int = 512 * 1024**2, repeats: int = 5) -> float:
     return 2 * n_bytes / best
 
 
-def _bench_ours(engine: Engine, ids: list[int], decode_tokens: int) -> dict[str, float]:
-    per_context = reset_peak_rss()
-    session = engine.new_session()
+@dataclass
+class _Live:
+    """A prefilled session and the token it decodes next."""
+
+    session: Session
+    token: int
+
+
+def _decode(engine: Engine, live: _Live, n_tokens: int) -> tuple[float, int]:
+    """Decode `n_tokens` greedily in `live`; returns the seconds and the bytes the steps read."""
+    read_bytes = 0
+    cache = live.session.cache
+    with torch.inference_mode():
+        started = time.perf_counter()
+        for _ in range(n_tokens):
+            read_bytes += cache.decode_read_bytes() + engine.model.decode_read_bytes
+            live.token = int(engine.model.forward(torch.tensor([live.token]), cache)[-1].argmax())
+    return time.perf_counter() - started, read_bytes
+
+
+def _prefill(engine: Engine, ids: list[int]) -> tuple[_Live, float]:
+    session = Session(engine)
     started = time.perf_counter()
     logits = session.extend(ids)
-    prefill_s = time.perf_counter() - started
-    token = int(logits.argmax())
-    read_bytes = 0
-    with torch.inference_mode():
-        for step in range(WARMUP_TOKENS + decode_tokens):
-            if step == WARMUP_TOKENS:
-                started = time.perf_counter()
-            if step >= WARMUP_TOKENS:
-                read_bytes += session.cache.decode_read_bytes() + engine.model.decode_read_bytes
-            token = int(engine.model.forward(torch.tensor([token]), session.cache)[-1].argmax())
-    decode_s = time.perf_counter() - started
+    return _Live(session, int(logits.argmax())), time.perf_counter() - started
+
+
+def _bench_ours(engine: Engine, ids: list[int], decode_tokens: int) -> tuple[dict, _Live]:
+    """Prefill and decode one context; the session stays alive for the caller to drop."""
+    per_context = reset_peak_rss()
+    live, prefill_s = _prefill(engine, ids)
+    _decode(engine, live, WARMUP_TOKENS)
+    decode_s, read_bytes = _decode(engine, live, decode_tokens)
     plan = engine.plan(len(ids) + WARMUP_TOKENS + decode_tokens)
-    result = {
+    return {
         "prefill_tok_s": len(ids) / prefill_s,
         "decode_tok_s": decode_tokens / decode_s,
         "prefill_s": prefill_s,
@@ -72,8 +92,8 @@ def _bench_ours(engine: Engine, ids: list[int], decode_tokens: int) -> dict[str,
         # decode: against the machine's copy rate, the fraction of the roofline.
         "decode_bytes_per_token": read_bytes / decode_tokens,
         "decode_read_bytes_per_s": read_bytes / decode_s,
-        "attention": session.cache.name,
-        "position_mode": session.cache.position_mode,
+        "attention": live.session.cache.name,
+        "position_mode": live.session.cache.position_mode,
         # Whole-process RSS (interpreter and libraries included) against the plan's total.
         # The peak is this context's (from its prefill to its last token) where the OS can
         # reset the peak, else the process's so far (the model loading's, at small contexts).
@@ -81,9 +101,43 @@ def _bench_ours(engine: Engine, ids: list[int], decode_tokens: int) -> dict[str,
         "peak_rss_bytes": peak_rss(),
         "peak_rss_scope": "context" if per_context else "process",
         "plan_total_bytes": plan.total_bytes,
-    }
-    session.drop_cache()  # the next context's memory is measured without this one
+    }, live
+
+
+def _measure_once(engine: Engine, ids: list[int], decode_tokens: int) -> dict:
+    result, live = _bench_ours(engine, ids, decode_tokens)
+    live.session.drop_cache()  # the next context's memory is measured without this one
     return result
+
+
+def _per_round(decode_tokens: int) -> int:
+    return max(1, decode_tokens // 4)
+
+
+def _interleaved_decode(
+    engine: Engine, live: _Live, first_ids: list[int], decode_tokens: int
+) -> dict[str, float]:
+    """Decode rate of `live` against the first context's, in alternating rounds with both
+    caches alive: one context decoding after the other minutes apart meets a different
+    machine (this shared one's copy rate moves 2x within a run), rounds a second apart the
+    same one."""
+    first, _ = _prefill(engine, first_ids)
+    _decode(engine, first, WARMUP_TOKENS)
+    per_round = _per_round(decode_tokens)
+    seconds = {"context": 0.0, "first": 0.0}
+    for _ in range(INTERLEAVED_ROUNDS):
+        seconds["context"] += _decode(engine, live, per_round)[0]
+        seconds["first"] += _decode(engine, first, per_round)[0]
+    first.session.drop_cache()
+    tokens = per_round * INTERLEAVED_ROUNDS
+    rates = {k: tokens / s for k, s in seconds.items()}
+    return {
+        "first_context": len(first_ids),
+        "tokens": tokens,
+        "decode_tok_s": rates["context"],
+        "first_decode_tok_s": rates["first"],
+        "ratio": rates["context"] / rates["first"],
+    }
 
 
 def _gib(n: int) -> str:
@@ -144,7 +198,9 @@ def run_speed_bench(
 ) -> dict:
     """Measure kvchat (and transformers, and kvchat with dense attention at the sizes in
     `compare_dense`) at every context size; returns a JSON-ready dict with ratios."""
-    longest = max(contexts) + WARMUP_TOKENS + decode_tokens + 64
+    # A context decodes its own tokens, then as many again and more in the interleaved rounds.
+    extra = WARMUP_TOKENS + decode_tokens + INTERLEAVED_ROUNDS * _per_round(decode_tokens)
+    longest = max(contexts) + extra + 64
     lc = settings.long_context
     if lc.max_seq_len < longest:
         settings = replace(settings, long_context=replace(lc, max_seq_len=longest))
@@ -158,10 +214,11 @@ def run_speed_bench(
     # best of them (what the machine showed it can do in this run).
     copy_rates = [memory_copy_rate()]
     log(f"memory copy rate {copy_rates[0] / 1e9:.1f} GB/s (read + write)")
+    first_ids = _prompt_ids(engine, contexts[0])
     rows = []
     for n in contexts:
         ids = _prompt_ids(engine, n)
-        ours = _bench_ours(engine, ids, decode_tokens)
+        ours, live = _bench_ours(engine, ids, decode_tokens)
         row: dict = {"context": n, "kvchat": ours}
         line = (
             f"{n:>7} tokens  kvchat prefill {ours['prefill_tok_s']:7.1f} tok/s  "
@@ -170,10 +227,19 @@ def run_speed_bench(
             f"{ours['decode_read_bytes_per_s'] / 1e9:.1f} GB/s), peak RSS "
             f"{_gib(ours['peak_rss_bytes'])} / plan {_gib(ours['plan_total_bytes'])} GiB"
         )
+        if n != contexts[0]:
+            vs = row["decode_vs_first"] = _interleaved_decode(
+                engine, live, first_ids, decode_tokens
+            )
+            line += (
+                f"  | decode x{vs['ratio']:.2f} of {contexts[0]}'s, interleaved "
+                f"({vs['decode_tok_s']:.1f} / {vs['first_decode_tok_s']:.1f} tok/s)"
+            )
+        live.session.drop_cache()
         if hf is not None:
             line += _compare(row, "transformers", ours, _bench_transformers(hf, ids, decode_tokens))
         if n in compare_dense and engine.settings.long_context.attention != "dense":
-            theirs = _bench_ours(dense, ids, decode_tokens)
+            theirs = _measure_once(dense, ids, decode_tokens)
             line += _compare(row, "dense", ours, theirs)
         log(line)
         rows.append(row)

@@ -19,14 +19,14 @@ def test_speed_bench_reports_ratios_and_roofline():
     lines: list[str] = []
     result = run_speed_bench(
         settings,
-        [400],
+        [256, 400],
         decode_tokens=4,
         with_transformers=False,
         compare_dense=[400],
         log=lines.append,
     )
     assert result["memory_copy_bytes_per_s"] > 1e8
-    (row,) = result["results"]
+    first, row = result["results"]
     ours = row["kvchat"]
     assert ours["attention"] == "sparse" and row["dense"]["attention"] == "dense"
     assert set(row["dense_ratio"]) == {"prefill", "decode"}
@@ -41,8 +41,14 @@ def test_speed_bench_reports_ratios_and_roofline():
     assert ours["peak_rss_bytes"] >= ours["rss_bytes"] * 0.99
     assert "peak RSS" in lines[-2] and "/ plan" in lines[-2]
     assert "x" in lines[-2] and "GB/s" in lines[-2]
-    # The roofline is the best copy rate of the run: before and after the one context.
-    assert len(result["memory_copy_samples"]) == 2
+    # Decode at 400 against decode at 256 in alternating rounds, both caches alive.
+    assert "decode_vs_first" not in first
+    vs = row["decode_vs_first"]
+    assert vs["first_context"] == 256 and vs["tokens"] == 8
+    assert vs["ratio"] == vs["decode_tok_s"] / vs["first_decode_tok_s"]
+    assert "of 256's, interleaved" in lines[-2]
+    # The roofline is the best copy rate of the run: before and after each context.
+    assert len(result["memory_copy_samples"]) == 3
     assert result["memory_copy_bytes_per_s"] == max(result["memory_copy_samples"])
     assert "roofline" in lines[-1] and "400: " in lines[-1]
 
