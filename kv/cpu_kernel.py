@@ -33,6 +33,8 @@ SOURCES = [
 ]
 HEADERS = [Path(__file__).with_name("csrc") / "bf16.h"]
 FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
+# How decode_attention's sets are stored (the kernel's Format).
+_FORMATS = {"FP16": 0, "INT8": 1, "INT4": 2}
 # A build takes ~30-80 s here; torch's lock file that old was left by a process killed while
 # it built (Ctrl-C on a first start), and torch would wait on it forever.
 STALE_LOCK_S = 600
@@ -103,12 +105,12 @@ def decode_attention(
     """One decode query per head over key sets read in place; [n_heads, 1, D] in q0's dtype.
 
     q0, q1: [n_heads, 1, D], the two rotations of the query. Each set is (k, v, qid, stride,
-    rows, starts[, int8]): contiguous K and V sources of the same shape, read as rows of D
+    rows, starts[, kv_type]): contiguous K and V sources of the same shape, read as rows of D
     elements `stride` elements apart, `rows` rows from each element offset in starts (int64
-    [n_kv, runs]), scored with q0 (qid 0) or q1 (qid 1). With int8 true the sources are an
-    INT8 BlockPool's storage and each run one block (starts in bytes, stride D), dequantized
-    in the kernel as the pool's gather would. One softmax over every set; the first set is
-    not INT8.
+    [n_kv, runs]), scored with q0 (qid 0) or q1 (qid 1). With kv_type "INT8" or "INT4" the
+    sources are such a BlockPool's storage and each run one block (starts in bytes, stride D),
+    dequantized in the kernel as the pool's gather would. One softmax over every set; the
+    first set is in the kv dtype.
     """
     n_heads, _, dim = q0.shape
     out = _module().decode_attention(
@@ -120,7 +122,7 @@ def decode_attention(
         [s[3] for s in sets],
         [s[4] for s in sets],
         [s[5] for s in sets],
-        [len(s) > 6 and s[6] for s in sets],
+        [_FORMATS[s[6] if len(s) > 6 else "FP16"] for s in sets],
         n_kv,
         dim**-0.5,
     )

@@ -512,8 +512,8 @@ class SparseBackend(AttentionBackend):
         )
         sets = [window]
         if not self._reads_store_in_place(layer):
-            # INT4 blocks, and every block of a dense layer in INT8, are dequantized into the
-            # gather buffer first (sinks included).
+            # Every block of a dense layer in INT8 / INT4 is dequantized into the gather
+            # buffer first (sinks included).
             k, v = self._retrieve(layer, st, q_far, sinks)
             if k.shape[1]:
                 sets.append((k, v, 1, dim, k.shape[1], heads * k.shape[1] * dim))
@@ -530,18 +530,19 @@ class SparseBackend(AttentionBackend):
             sets.append((pool_k, pool_v, 1, dim, rows, starts))
         elif blocks is not None and blocks.shape[-1]:
             slots = self._count_reads(layer, blocks)
-            if self.lc.kv_type == "INT8":
-                # Read where they lie, half the bytes of FP16, dequantized in the kernel.
-                sets.append((pool_k, pool_v, 1, dim, b, slots * st.k_pool.bytes_per_slot, True))
+            kv_type = self.lc.kv_type
+            if kv_type != "FP16":
+                # Read where they lie (0.53x / 0.31x the bytes of FP16), dequantized in the kernel.
+                starts = slots * st.k_pool.bytes_per_slot
+                sets.append((pool_k, pool_v, 1, dim, b, starts, kv_type))
             else:
                 sets.append((pool_k, pool_v, 1, dim, b, slots * b * dim))
         return cpu_kernel.decode_attention(qa, q_far, sets, n_kv)
 
     def _reads_store_in_place(self, layer: int) -> bool:
         """Whether the CPU decode kernel reads this layer's blocks from the store (FP16, and
-        INT8 blocks that selection picked) rather than from the gather buffer."""
-        kv_type = self.lc.kv_type
-        return kv_type == "FP16" or (kv_type == "INT8" and layer >= self.lc.dense_layer_num)
+        quantized blocks that selection picked) rather than from the gather buffer."""
+        return self.lc.kv_type == "FP16" or layer >= self.lc.dense_layer_num
 
     def _count_reads(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
         """Store slots [n_kv, k] of `blocks` ([k] shared or [n_kv, k]), counted by the device
@@ -653,8 +654,8 @@ class SparseBackend(AttentionBackend):
     def decode_read_bytes(self) -> int:
         """The window in place; the sink block and the selected blocks read in kv_type (from
         the store, then from the gather buffer they are dequantized into, on the torch path
-        and for INT4 blocks or a dense layer's INT8 ones on the CPU kernel's; once
-        otherwise); every candidate's anchors scored."""
+        and for a dense layer's quantized blocks on the CPU kernel's; once otherwise); every
+        candidate's anchors scored."""
         lc = self.lc
         window_start = self._window_start_at(self._length)
         full = 2 * self.n_kv * self.head_dim * self.dtype.itemsize  # K and V of one token

@@ -14,9 +14,10 @@
 // A key set: rows of head_dim elements in a contiguous source tensor; per KV head, `runs`
 // of `rows` rows each, `stride` elements apart, starting at element starts[h][r]; read with
 // query 0 or query 1 (the local window's and the retrieved blocks' rotations differ). A set
-// of INT8 blocks is the block pool's byte rows, each run one block: half the bytes of bf16,
-// dequantized a tile at a time (128-row K and V tiles in L1) into what BlockPool.gather makes.
-// A 128K step with INT8 blocks: 24.4 ms when they were gathered first, 16.2 ms read in place.
+// of INT8 or INT4 blocks is the block pool's byte rows, each run one block (0.53x / 0.31x the
+// bytes of bf16), dequantized a tile at a time (128-row K and V tiles in L1) into what
+// BlockPool.gather makes. A 128K step with INT8 blocks: 24.4 ms when they were gathered first,
+// 16.2 ms read in place.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -52,15 +53,23 @@ struct Run {
   int64_t rows;
 };
 
+// How a set's rows are stored: in the kv dtype, or as a BlockPool's INT8 / INT4 byte rows.
+enum class Format : int64_t { Plain = 0, Int8 = 1, Int4 = 2 };
+
+// Bytes of a quantized row's values, and of its fp16 metadata: a scale per 32 values, and for
+// INT4 a minimum per 32 values too (kv/quant.py).
+constexpr int64_t value_bytes(Format f, int64_t D) { return f == Format::Int4 ? D / 2 : D; }
+constexpr int64_t meta_bytes(Format f, int64_t D) { return (f == Format::Int4 ? 4 : 2) * (D / 32); }
+
 struct Set {
   const void* k;
   const void* v;
   int qid;
   int64_t stride;
-  // INT8 blocks (kv/quant.py): each run is a block of `rows` rows of D int8 values followed
-  // by their fp16 scales (one per 32 values), `start` its byte offset; dequantized a tile at
-  // a time into a buffer that the rest of the kernel reads like any other rows.
-  bool int8 = false;
+  // Quantized blocks: each run is a block of `rows` rows of values, followed by all their
+  // scales, then (INT4) all their minimums; `start` its byte offset. Dequantized a tile at a
+  // time into a buffer that the rest of the kernel reads like any other rows.
+  Format format = Format::Plain;
 };
 
 // The tile after this one, whose rows are prefetched one by one while this tile's rows are
@@ -73,10 +82,12 @@ struct Ahead {
   int64_t stride = 0;  // bytes
   int64_t rows = 0;
   int64_t width = 0;  // bytes of a row
-  // An INT8 tile's fp16 scales (kept after the block's rows), prefetched at once.
+  // A quantized tile's fp16 scales (kept after the block's rows), prefetched at once, and
+  // its minimums (INT4) `mins_offset` bytes after them.
   const char* k_scales = nullptr;
   const char* v_scales = nullptr;
   int64_t scale_bytes = 0;
+  int64_t mins_offset = 0;
 };
 
 inline void prefetch_line(const char* p) {
@@ -125,6 +136,52 @@ void dequant_int8(const uint8_t* block, int64_t rows, int64_t t0, int64_t tn, T*
           og[i] = c10::BFloat16(x).x;
         else
           og[i] = x;
+      }
+    }
+  }
+}
+
+// Rows [t0, t0 + tn) of an INT4 block of `rows` rows in T, as BlockPool.gather makes them:
+// q * scale + minimum in fp32 (the product is exact: 4 bits times an fp16's 11, so a fused
+// multiply-add rounds as torch's mul then add do), rounded once to T.
+template <typename T, int D>
+void dequant_int4(const uint8_t* block, int64_t rows, int64_t t0, int64_t tn, T* out) {
+  constexpr int GROUPS = D / 32;
+  const uint8_t* q = block + t0 * (D / 2);
+  const uint16_t* scales = reinterpret_cast<const uint16_t*>(block + rows * (D / 2)) + t0 * GROUPS;
+  const uint16_t* mins = scales + rows * GROUPS;
+  for (int64_t t = 0; t < tn; ++t) {
+    for (int g = 0; g < GROUPS; ++g) {
+      const float scale = static_cast<float>(c10::Half(scales[t * GROUPS + g], c10::Half::from_bits()));
+      const float minimum = static_cast<float>(c10::Half(mins[t * GROUPS + g], c10::Half::from_bits()));
+      // Byte i holds value 2i in its low nibble and value 2i + 1 in its high one.
+      const uint8_t* qg = q + t * (D / 2) + 16 * g;
+      T* og = out + t * D + 32 * g;
+#if KVCHAT_DPBF16
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        // Widening byte hi<<4|lo to the word hi<<8|lo lays the nibbles out in value order
+        // (kv/quant.py's _unpack_int4 does the same).
+        __m256i w = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg)));
+        w = _mm256_and_si256(_mm256_or_si256(w, _mm256_slli_epi16(w, 4)), _mm256_set1_epi16(0x0F0F));
+        const __m512 sc = _mm512_set1_ps(scale), mn = _mm512_set1_ps(minimum);
+        const __m512 lo = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(w))), sc, mn);
+        const __m512 hi = _mm512_fmadd_ps(
+            _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(w, 1))), sc, mn);
+        _mm512_storeu_si512(og, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+        continue;
+      }
+#endif
+      for (int i = 0; i < 16; ++i) {
+        const float x0 = static_cast<float>(qg[i] & 15) * scale + minimum;
+        const float x1 = static_cast<float>(qg[i] >> 4) * scale + minimum;
+        if constexpr (std::is_same_v<T, uint16_t>) {
+          og[2 * i] = c10::BFloat16(x0).x;
+          og[2 * i + 1] = c10::BFloat16(x1).x;
+        } else {
+          og[2 * i] = x0;
+          og[2 * i + 1] = x1;
+        }
       }
     }
   }
@@ -276,16 +333,20 @@ void attend(const float* q, int G, const std::vector<Set>& sets, const Run* runs
     const Set& set = sets[runs[r].set];
     const char* k = static_cast<const char*>(set.k);
     const char* v = static_cast<const char*>(set.v);
-    const int64_t row = set.int8 ? D : set.stride * static_cast<int64_t>(sizeof(T));
-    const int64_t start = set.int8 ? runs[r].start : runs[r].start * static_cast<int64_t>(sizeof(T));
+    const bool quantized = set.format != Format::Plain;
+    const int64_t row =
+        quantized ? value_bytes(set.format, D) : set.stride * static_cast<int64_t>(sizeof(T));
+    const int64_t start =
+        quantized ? runs[r].start : runs[r].start * static_cast<int64_t>(sizeof(T));
     const int64_t rows = runs[r].rows - t0;
     Ahead at{k + start + t0 * row, v + start + t0 * row, row, rows,
-             set.int8 ? D : D * static_cast<int64_t>(sizeof(T))};
-    if (set.int8) {
-      const int64_t scales = start + runs[r].rows * D + t0 * (D / 32) * 2;
+             quantized ? row : D * static_cast<int64_t>(sizeof(T))};
+    if (quantized) {
+      const int64_t scales = start + runs[r].rows * row + t0 * (D / 32) * 2;
       at.k_scales = k + scales;
       at.v_scales = v + scales;
       at.scale_bytes = std::min(rows, TILE) * (D / 32) * 2;
+      if (set.format == Format::Int4) at.mins_offset = runs[r].rows * (D / 32) * 2;
     }
     return at;
   };
@@ -303,17 +364,22 @@ void attend(const float* q, int G, const std::vector<Set>& sets, const Run* runs
       for (int64_t off = 0; off < ahead.scale_bytes; off += 64) {
         prefetch_line(ahead.k_scales + off);
         prefetch_line(ahead.v_scales + off);
+        if (ahead.mins_offset) {
+          prefetch_line(ahead.k_scales + ahead.mins_offset + off);
+          prefetch_line(ahead.v_scales + ahead.mins_offset + off);
+        }
       }
       const Ahead here = tile_at(r, t0);
       const T* kb = reinterpret_cast<const T*>(here.k);
       const T* vb = reinterpret_cast<const T*>(here.v);
       int64_t stride = set.stride;
-      if (set.int8) {
+      if (set.format != Format::Plain) {
         const auto* kblock = static_cast<const uint8_t*>(set.k) + runs[r].start;
         const auto* vblock = static_cast<const uint8_t*>(set.v) + runs[r].start;
         if (kq.empty()) kq.resize(TILE * D), vq.resize(TILE * D);
-        dequant_int8<T, D>(kblock, runs[r].rows, t0, tn, kq.data());
-        dequant_int8<T, D>(vblock, runs[r].rows, t0, tn, vq.data());
+        const auto dequant = set.format == Format::Int8 ? dequant_int8<T, D> : dequant_int4<T, D>;
+        dequant(kblock, runs[r].rows, t0, tn, kq.data());
+        dequant(vblock, runs[r].rows, t0, tn, vq.data());
         kb = kq.data();
         vb = vq.data();
         stride = D;
@@ -446,18 +512,18 @@ torch::Tensor dispatch(bool bf16, bool dp, const float* q, int64_t n_kv, int G,
 
 // q0, q1: [n_heads, 1, D] (any float dtype); per set i: k_srcs[i], v_srcs[i] (contiguous, the
 // kv dtype: bf16 or fp32), qids[i], strides[i], rows[i] (rows per run) and starts[i] (int64
-// [n_kv, runs_i]); int8[i]: the sources are uint8 rows of INT8 blocks (kv/quant.py's pool
-// storage), each run one block of rows[i] rows, starts[i] in bytes, strides[i] == D. Returns
-// fp32 [n_kv, G, D].
+// [n_kv, runs_i]); formats[i] (Format): 1 / 2 when the sources are uint8 rows of INT8 / INT4
+// blocks (kv/quant.py's pool storage), each run one block of rows[i] rows, starts[i] in bytes,
+// strides[i] == D. Returns fp32 [n_kv, G, D].
 torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
                                std::vector<torch::Tensor> k_srcs, std::vector<torch::Tensor> v_srcs,
                                std::vector<int64_t> qids, std::vector<int64_t> strides,
                                std::vector<int64_t> rows, std::vector<torch::Tensor> starts,
-                               std::vector<bool> int8, int64_t n_kv, double scale) {
+                               std::vector<int64_t> formats, int64_t n_kv, double scale) {
   const int64_t n_heads = q0.size(0), D = q0.size(-1), G = n_heads / n_kv;
   TORCH_CHECK(n_heads % n_kv == 0, "n_heads must be a multiple of n_kv");
   TORCH_CHECK(!k_srcs.empty(), "at least one key set");
-  TORCH_CHECK(int8.size() == k_srcs.size() && !int8[0], "the first set holds the kv dtype");
+  TORCH_CHECK(formats.size() == k_srcs.size() && formats[0] == 0, "the first set holds the kv dtype");
   const auto dtype = k_srcs[0].scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "keys must be bf16 or fp32");
   // [n_kv, 2, G, D]: both queries of a head next to each other.
@@ -468,15 +534,18 @@ torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
   std::vector<std::vector<Run>> runs(n_kv);
   for (size_t i = 0; i < k_srcs.size(); ++i) {
     TORCH_CHECK(k_srcs[i].is_contiguous() && v_srcs[i].is_contiguous(), "sources must be contiguous");
-    const auto want = int8[i] ? at::kByte : dtype;
+    TORCH_CHECK(formats[i] >= 0 && formats[i] <= 2, "set ", i, ": format 0, 1 or 2");
+    const auto format = static_cast<Format>(formats[i]);
+    const bool quantized = format != Format::Plain;
+    const auto want = quantized ? at::kByte : dtype;
     TORCH_CHECK(k_srcs[i].scalar_type() == want && v_srcs[i].scalar_type() == want,
-                "set ", i, int8[i] ? ": INT8 blocks are uint8 rows" : ": one dtype");
-    TORCH_CHECK(!int8[i] || strides[i] == D, "INT8 rows are D apart");
+                "set ", i, quantized ? ": quantized blocks are uint8 rows" : ": one dtype");
+    TORCH_CHECK(!quantized || strides[i] == D, "quantized rows are D values apart");
     sets.push_back({k_srcs[i].data_ptr(), v_srcs[i].data_ptr(), static_cast<int>(qids[i]),
-                    strides[i], static_cast<bool>(int8[i])});
-    // An INT8 block's rows are followed by their fp16 scales, one per 32 values.
-    const int64_t extent =
-        int8[i] ? rows[i] * (D + D / 32 * 2) : (rows[i] - 1) * strides[i] + D;
+                    strides[i], format});
+    // A quantized block's rows are followed by their fp16 scales (and minimums).
+    const int64_t extent = quantized ? rows[i] * (value_bytes(format, D) + meta_bytes(format, D))
+                                     : (rows[i] - 1) * strides[i] + D;
     auto st = starts[i].contiguous();
     TORCH_CHECK(st.scalar_type() == at::kLong && st.dim() == 2 && st.size(0) == n_kv, "starts: int64 [n_kv, runs]");
     const int64_t* p = st.data_ptr<int64_t>();

@@ -90,36 +90,41 @@ def test_a_run_outside_its_source_is_refused():
         cpu_kernel.decode_attention(q0, q1, [(wk, wv, 0, 32, 8, beyond)], 1)
 
 
-def _int8_pools(n_kv: int, n_blocks: int, block: int, dim: int, dtype: torch.dtype):
+def _quantized_pools(
+    kv_type: str, n_kv: int, n_blocks: int, block: int, dim: int, dtype: torch.dtype
+):
     gen = torch.Generator().manual_seed(7)
     pools = []
     for _ in range(2):
-        pool = BlockPool(n_kv * n_blocks, block, dim, "INT8", dtype)
-        # Groups of very different ranges, so the per-group scales matter.
+        pool = BlockPool(n_kv * n_blocks, block, dim, kv_type, dtype)
+        # Groups of very different ranges and offsets, so per-group scales and minimums matter.
         blocks = torch.randn(n_kv * n_blocks, block, dim, generator=gen)
         blocks *= torch.logspace(-3, 3, dim // 32).repeat_interleave(32)
+        blocks += torch.linspace(-2, 5, dim // 32).repeat_interleave(32)
         pool.write(torch.arange(n_kv * n_blocks), blocks)
         pools.append(pool)
     return pools
 
 
+@pytest.mark.parametrize("kv_type", ["INT8", "INT4"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("dim", [64, 128])
-def test_int8_blocks_read_in_place_equal_their_gathered_copy(dim, dtype):
-    """The kernel dequantizes INT8 blocks tile by tile into exactly the values BlockPool.gather
-    makes (q * scale in fp32, one rounding), so reading them where they lie gives the output
-    of reading the gathered copy, bit for bit. Blocks of 160 rows span a full and a partial
-    tile."""
+def test_quantized_blocks_read_in_place_equal_their_gathered_copy(dim, dtype, kv_type):
+    """The kernel dequantizes INT8 / INT4 blocks tile by tile into exactly the values
+    BlockPool.gather makes (q * scale, + minimum for INT4, in fp32, one rounding), so reading
+    them where they lie gives the output of reading the gathered copy, bit for bit. Blocks of
+    160 rows span a full and a partial tile."""
     n_kv, group, block, n_blocks = 3, 3, 160, 6
     _, _, wk, wv, sk, sv, _, _, q0, q1 = _case(n_kv, group, dim, dtype, seed=5)
-    pool_k, pool_v = _int8_pools(n_kv, n_blocks, block, dim, dtype)
+    pool_k, pool_v = _quantized_pools(kv_type, n_kv, n_blocks, block, dim, dtype)
     heads = torch.arange(n_kv).unsqueeze(1)
     slots = heads * n_blocks + torch.tensor([[0, 4, 5], [1, 2, 4], [3, 4, 5]])
     local = [
         (wk, wv, 0, n_kv * dim, 60, (5 * n_kv + heads) * dim),
         (sk, sv, 1, dim, 16, heads * 16 * dim),
     ]
-    in_place = (pool_k.storage, pool_v.storage, 1, dim, block, slots * pool_k.bytes_per_slot, True)
+    starts = slots * pool_k.bytes_per_slot
+    in_place = (pool_k.storage, pool_v.storage, 1, dim, block, starts, kv_type)
     got = cpu_kernel.decode_attention(q0, q1, [*local, in_place], n_kv)
 
     out = torch.empty(slots.numel(), block, dim, dtype=dtype)
@@ -130,15 +135,16 @@ def test_int8_blocks_read_in_place_equal_their_gathered_copy(dim, dtype):
     assert torch.equal(got, want)
 
 
-def test_an_int8_run_outside_its_source_is_refused():
+@pytest.mark.parametrize("kv_type", ["INT8", "INT4"])
+def test_a_quantized_run_outside_its_source_is_refused(kv_type):
     _, _, wk, wv, _, _, _, _, q0, q1 = _case(1, 1, 64, torch.float32)
-    pool_k, pool_v = _int8_pools(1, 2, 32, 64, torch.float32)
+    pool_k, pool_v = _quantized_pools(kv_type, 1, 2, 32, 64, torch.float32)
     window = (wk, wv, 0, 64, 8, torch.tensor([[0]]))
     last = torch.tensor([[pool_k.bytes_per_slot]])  # the second of 2 slots: inside
-    past = torch.tensor([[pool_k.bytes_per_slot + 1]])  # one byte further: its scales outside
-    sets = [window, (pool_k.storage, pool_v.storage, 1, 64, 32, last, True)]
+    past = torch.tensor([[pool_k.bytes_per_slot + 1]])  # one byte further: its metadata outside
+    sets = [window, (pool_k.storage, pool_v.storage, 1, 64, 32, last, kv_type)]
     cpu_kernel.decode_attention(q0, q1, sets, 1)
-    sets[1] = (pool_k.storage, pool_v.storage, 1, 64, 32, past, True)
+    sets[1] = (pool_k.storage, pool_v.storage, 1, 64, 32, past, kv_type)
     with pytest.raises(RuntimeError, match="reads outside its source"):
         cpu_kernel.decode_attention(q0, q1, sets, 1)
 

@@ -201,8 +201,8 @@ def test_decode_read_bytes_counts_what_a_step_reads(tiny, kv_type):
     # TINY: 4 layers, 2 KV heads x 32 dims, fp32. Window 128, blocks of 32, 4 selected,
     # layer 0 dense. After 700 tokens the next step's window starts at 544 (a block
     # boundary <= 701 - 128): 157 window tokens in place; the sink block and the selected
-    # blocks are read (FP16 blocks, and INT8 ones of the sparse layers, in place by the CPU
-    # kernel, the sink block in full precision; else gathered); blocks 1..16 are candidates.
+    # blocks are read (FP16 blocks, and quantized ones of the sparse layers, in place by the
+    # CPU kernel, the sink block in full precision; else gathered); blocks 1..16 are candidates.
     settings = small_settings(kv_type=kv_type)
     cache = sparse_cache(tiny, settings)
     run(tiny, cache, _ids(), 64)
@@ -214,7 +214,7 @@ def test_decode_read_bytes_counts_what_a_step_reads(tiny, kv_type):
     gathered = 2 * 2 * slot + copy  # per block
     anchors = 16 * 2 * 2 * 32 * 4  # QUEST: min and max keys per block and head, fp32 as the keys
     dense_layer = 17 * 32 * full if kv_type == "FP16" else 17 * gathered
-    if kv_type == "INT8" and cache._cpu_kernels:
+    if kv_type != "FP16" and cache._cpu_kernels:
         sparse_layer = 32 * full + 4 * 2 * 2 * slot + anchors
     else:
         sparse_layer = 5 * gathered + anchors
