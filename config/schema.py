@@ -169,7 +169,7 @@ class LongContextSettings:
         max=1_048_576,
     )
     second_select_num: int = setting(
-        32,
+        16,
         "Blocks each layer selects by anchor score for the current query (from the "
         "preselected blocks when preselect_block is true), on top of sinks and local window.",
         min=0,

@@ -195,7 +195,7 @@ def test_save_changes_writes_only_what_changed(home):
     save_changes(path, old, new)
     assert path.read_text(encoding="utf-8") == default_yaml().replace(
         "  seed: 0", "  seed: 7  # mine"
-    ).replace("  second_select_num: 32", "  second_select_num: 8")
+    ).replace("  second_select_num: 16", "  second_select_num: 8")
 
 
 def test_save_changes_refuses_a_file_the_change_breaks(home):

@@ -155,7 +155,7 @@ def test_defaults_are_the_documented_ones():
         131072,
         128,
         2048,
-        32,
+        16,
         0,
         "QUEST",
         "FP16",
