@@ -530,13 +530,11 @@ class SparseBackend(AttentionBackend):
             sets.append((pool_k, pool_v, 1, dim, rows, starts))
         elif blocks is not None and blocks.shape[-1]:
             slots = self._count_reads(layer, blocks)
+            # Quantized blocks are read where they lie too (0.53x / 0.31x the bytes of FP16),
+            # from byte offsets, and dequantized in the kernel.
             kv_type = self.lc.kv_type
-            if kv_type != "FP16":
-                # Read where they lie (0.53x / 0.31x the bytes of FP16), dequantized in the kernel.
-                starts = slots * st.k_pool.bytes_per_slot
-                sets.append((pool_k, pool_v, 1, dim, b, starts, kv_type))
-            else:
-                sets.append((pool_k, pool_v, 1, dim, b, slots * b * dim))
+            unit = b * dim if kv_type == "FP16" else st.k_pool.bytes_per_slot
+            sets.append((pool_k, pool_v, 1, dim, b, slots * unit, kv_type))
         return cpu_kernel.decode_attention(qa, q_far, sets, n_kv)
 
     def _reads_store_in_place(self, layer: int) -> bool:
