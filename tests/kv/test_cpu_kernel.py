@@ -190,7 +190,10 @@ def test_sparse_decode_with_the_kernel_equals_the_torch_path(changes, position_m
     assert cache._cpu_kernels and not reference._cpu_kernels
     want = run(model, reference, ids, 64, 24)
     got = run(model, cache, ids, 64, 24)
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    # Both compute in fp32, in different orders: logits of scale ~16 (this tiny model's)
+    # differ by up to ~1e-4 on an AMD EPYC and ~1.5e-4 on an Intel Xeon (1e-5 of the
+    # largest); a wrong key, block or scale moves them by orders of magnitude more.
+    torch.testing.assert_close(got, want, atol=2e-5 * want.abs().max().item(), rtol=1e-4)
     s, ref = cache.stats(), reference.stats()
     assert [layer.selected for layer in s.layers] == [layer.selected for layer in ref.layers]
     assert any(layer.selected for layer in s.layers)
