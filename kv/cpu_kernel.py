@@ -1,99 +1,34 @@
-"""The CPU kernels of the block-sparse cache (kv/csrc/), built on first use.
+"""The CPU kernels of the block-sparse cache (kv/csrc/), built on first use (kvchat.native).
 
 torch's small bf16 matmuls read a decode step's keys at ~8 GB/s here (README, "Where a 128K
 decode step's time goes") and its block selection is a dozen small ops per layer; the
 kernels read each key, value and anchor once, in place, and are what the block-sparse cache
-uses on the CPU (decode attention, and block selection). They are compiled with the C++ compiler
-torch's extension builder finds (`-march=native`: the build is for this CPU) and cached where
-torch caches extensions ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions), so only the
-first process on a machine pays the ~30 s.
-Where it cannot be built the cache keeps the torch path and says why once.
+uses on the CPU (decode attention, block selection, and the rotary rotation of bf16 queries
+and keys). Where they cannot be built the cache keeps the torch path and says why once.
 """
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import sys
-import time
 from functools import cache
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-log = logging.getLogger(__name__)
+from kvchat.native import build_extension
 
 SOURCES = [
     Path(__file__).with_name("csrc") / name
-    for name in ("bindings.cpp", "decode_attention.cpp", "select_blocks.cpp")
+    for name in ("bindings.cpp", "decode_attention.cpp", "select_blocks.cpp", "rotate.cpp")
 ]
-HEADERS = [Path(__file__).with_name("csrc") / "bf16.h"]
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
 # How decode_attention's sets are stored (the kernel's Format).
 _FORMATS = {"FP16": 0, "INT8": 1, "INT4": 2}
-# A build takes ~30-80 s here; torch's lock file that old was left by a process killed while
-# it built (Ctrl-C on a first start), and torch would wait on it forever.
-STALE_LOCK_S = 600
 
 
 @cache
 def load() -> ModuleType | None:
     """The compiled kernels' module, or None (with a warning logged) when it cannot be built."""
-    from torch.utils import cpp_extension
-
-    if shutil.which("ninja") is None:
-        # torch runs `ninja` from PATH; the ninja wheel puts it next to the interpreter, which
-        # is not on PATH when the virtual environment is not activated (as under `make test`).
-        import ninja
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    # The build is for these sources, this torch and Python, and this CPU (-march=native:
-    # a home directory shared with another CPU model must not load it).
-    sources = b"".join(path.read_bytes() for path in SOURCES + HEADERS)
-    versions = f"{torch.__version__} {sys.version_info[:2]} {_cpu_flags()}"
-    name = f"kvchat_cpu_kernels_{hashlib.sha256(sources + versions.encode()).hexdigest()[:12]}"
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    build_dir = Path(root) / name
-    try:
-        build_dir.mkdir(parents=True, exist_ok=True)
-        clear_stale_lock(build_dir)
-        return cpp_extension.load(
-            name=name,
-            sources=[str(path) for path in SOURCES],
-            extra_cflags=FLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-        )
-    except (OSError, RuntimeError, ImportError) as err:
-        log.warning("the CPU kernels could not be built (%s); using torch attention", err)
-        return None
-
-
-def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
-    """Remove torch's build lock in build_dir when it is older than max_age_s (its builder
-    is gone); True when one was removed."""
-    lock = build_dir / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age <= max_age_s:
-        return False
-    log.warning("removing a stale build lock (%.0f s old, left by a killed build): %s", age, lock)
-    lock.unlink(missing_ok=True)
-    return True
-
-
-def _cpu_flags() -> str:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return platform.processor()
-    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+    return build_extension("kvchat_cpu_kernels", SOURCES)
 
 
 def decode_attention(
@@ -145,6 +80,11 @@ def select_blocks(
     return _module().select_blocks(
         query, anchors, first, last, k, anchor_type == "QUEST", mode == "SHARED"
     )
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """kv.positions.rotate for bf16 x [..., T, D] and cos, sin [T, D], bit for bit, in one pass."""
+    return _module().rotate(x, cos, sin)
 
 
 def _module() -> ModuleType:

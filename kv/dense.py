@@ -10,8 +10,8 @@ import torch
 
 from .attention import chunk_attention, decode_attention
 from .backend import AttentionBackend, CacheStats, check_capacity
-from .kernels import TORCH_OPS, attention_ops
-from .positions import RopeTables, rotate
+from .kernels import TORCH_OPS, attention_ops, rotation
+from .positions import RopeTables
 from .state import CacheState
 
 
@@ -35,6 +35,7 @@ class DenseBackend(AttentionBackend):
         self.n_layers, self.n_kv_heads, self.head_dim = n_layers, n_kv_heads, head_dim
         self.rope, self.dtype, self.device = rope, dtype, torch.device(device)
         self.ops = attention_ops(self.device, ops_backend)
+        self._rotate = rotation(self.device, dtype, ops_backend)
         self.max_tokens = max_tokens
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
@@ -81,8 +82,8 @@ class DenseBackend(AttentionBackend):
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         start, end = self._length, self._length + self._n_new
-        q = rotate(q, self._cos, self._sin)
-        k = rotate(k, self._cos, self._sin)
+        q = self._rotate(q, self._cos, self._sin)
+        k = self._rotate(k, self._cos, self._sin)
         keys, values = self._k[layer], self._v[layer]
         keys[:, start:end] = k
         values[:, start:end] = v

@@ -19,6 +19,7 @@ kernels in the interpreter, which is how the CPU tests drive the GPU code path.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from functools import cache
 from types import ModuleType
 from typing import Protocol
@@ -26,6 +27,7 @@ from typing import Protocol
 import torch
 
 from . import attention, merge, selection
+from .positions import rotate
 from .quant import BlockPool
 
 OPS_BACKENDS = ("auto", "torch", "triton")
@@ -273,6 +275,17 @@ def cpu_kernels(device: torch.device | str, backend: str | None = None) -> Modul
     from . import cpu_kernel
 
     return cpu_kernel.load()
+
+
+def rotation(
+    device: torch.device | str, dtype: torch.dtype, backend: str | None = None
+) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """kv.positions.rotate, or for bf16 where the CPU kernels run their bit-identical one."""
+    if dtype == torch.bfloat16 and cpu_kernels(device, backend) is not None:
+        from . import cpu_kernel
+
+        return cpu_kernel.rotate
+    return rotate
 
 
 def _resolve(backend: str | None) -> tuple[str, str]:

@@ -44,8 +44,8 @@ from .attention import chunk_attention, decode_attention
 from .backend import AttentionBackend, CacheStats, LayerStats, check_capacity
 from .cuda_tier import DeviceBlockTier
 from .device_cache import DeviceBlockCache
-from .kernels import TORCH_OPS, attention_ops, cpu_kernels
-from .positions import RopeTables, rotate
+from .kernels import TORCH_OPS, attention_ops, cpu_kernels, rotation
+from .positions import RopeTables
 from .quant import BlockPool
 from .selection import preselect_vote, score_blocks, select_top
 from .state import CacheState, StateMismatchError
@@ -127,6 +127,7 @@ class SparseBackend(AttentionBackend):
             and head_dim in (32, 64, 128, 256)
             and cpu_kernels(self.device, ops_backend) is not None
         )
+        self._rotate = rotation(self.device, dtype, ops_backend)
 
         def window_buffer() -> torch.Tensor:
             # Stored token-major, [win_cap, n_kv, D], and used through this [n_kv, win_cap, D]
@@ -256,8 +257,8 @@ class SparseBackend(AttentionBackend):
         st = self._layers[layer]
         n = self._n_new
         start, end = self._length, self._length + n
-        qa = rotate(q, self._cos, self._sin)
-        ka = rotate(k, self._cos, self._sin)
+        qa = self._rotate(q, self._cos, self._sin)
+        ka = self._rotate(k, self._cos, self._sin)
         o = start - self._win_base
         st.win_k[:, o : o + n] = ka
         st.win_v[:, o : o + n] = v
@@ -267,7 +268,9 @@ class SparseBackend(AttentionBackend):
             st.received[:, o : o + n] = 0
         self._store_blocks(st, end // self.block)
 
-        q_far = qa if self.position_mode == "native" else rotate(q, self._far_cos, self._far_sin)
+        q_far = (
+            qa if self.position_mode == "native" else self._rotate(q, self._far_cos, self._far_sin)
+        )
         ws = self._window_start - self._win_base
         sinks = self._window_start >= _SINK_BLOCKS * self.block
         if n == 1 and self._cpu_kernels:
@@ -644,7 +647,7 @@ class SparseBackend(AttentionBackend):
             st.win_store_k[:, :n] = keys
             st.win_v[:, :n] = values
             if st.win_store_k is not st.win_k:
-                st.win_k[:, :n] = rotate(keys, cos, sin)
+                st.win_k[:, :n] = self._rotate(keys, cos, sin)
             if st.received is not None:
                 st.received.zero_()
         self._win_base = start

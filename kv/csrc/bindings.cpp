@@ -12,7 +12,10 @@ torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
 torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t first, int64_t last,
                             int64_t k, bool quest, bool shared);
 
+torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention);
   m.def("select_blocks", &select_blocks);
+  m.def("rotate", &rotate);
 }

@@ -292,15 +292,6 @@ inline int64_t dpbf16_slot(int64_t d) {
   return (d & ~31) + (((r >> 2) & 1) << 4) + ((r >> 3) << 2) + (r & 3);
 }
 
-// Rounded to the nearest bf16 value (ties to even), as an fp32.
-inline float round_bf16(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, 4);
-  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  std::memcpy(&x, &bits, 4);
-  return x;
-}
-
 // The tile's tn rows as fp32 in `tile`, prefetching the matching rows of `next` (the next
 // tile's keys or values).
 template <typename T, int D>
@@ -413,7 +404,7 @@ void attend(const float* q, int G, const std::vector<Set>& sets, const Run* runs
 #pragma omp simd reduction(+ : sum)
         for (int64_t t = 0; t < tn; ++t) {
           float p = std::exp(sg[t] - mx);
-          if constexpr (DP) p = round_bf16(p);
+          if constexpr (DP) p = kvchat::round_bf16(p);
           sg[t] = p;
           sum += p;
         }

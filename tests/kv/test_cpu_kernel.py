@@ -9,6 +9,8 @@ import torch
 from kvchat.kv import cpu_kernel
 from kvchat.kv.anchors import ANCHOR_TYPES, anchor_rows
 from kvchat.kv.attention import decode_attention
+from kvchat.kv.kernels import rotation
+from kvchat.kv.positions import rotate
 from kvchat.kv.quant import BlockPool
 from kvchat.kv.selection import HEAD_SELECT_MODES, score_blocks, select_top
 
@@ -205,3 +207,28 @@ def test_dynamic_anchors_keep_the_torch_path():
     return."""
     cache = sparse_cache(tiny_model(), small_settings(anchor_type="DYNAMIC"), ops_backend="auto")
     assert not cache._cpu_kernels
+
+
+@pytest.mark.parametrize(
+    ("shape", "dim"), [((9, 1), 64), ((3, 17), 64), ((2, 5), 128), ((40,), 32)]
+)
+def test_rotate_equals_the_torch_rotation_bit_for_bit(shape, dim):
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(*shape, dim, generator=gen) * 5).bfloat16()
+    tokens = shape[-1] if len(shape) > 1 else 1
+    angles = torch.randn(tokens, dim, generator=gen) * 3
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    if len(shape) == 1:
+        x = x.unsqueeze(-2)
+    assert torch.equal(cpu_kernel.rotate(x, cos, sin), rotate(x, cos, sin))
+    # A strided view (the query heads of a fused projection) is read where it lies.
+    wide = torch.cat([x, x], dim=-1)[..., dim:]
+    assert torch.equal(cpu_kernel.rotate(wide, cos, sin), rotate(x, cos, sin))
+
+
+def test_the_caches_rotate_bf16_with_the_kernel_and_the_rest_with_torch():
+    assert rotation("cpu", torch.bfloat16) is cpu_kernel.rotate
+    assert rotation("cpu", torch.float32) is rotate
+    assert rotation("cpu", torch.bfloat16, "torch") is rotate
+    with pytest.raises(RuntimeError, match="bf16"):
+        cpu_kernel.rotate(torch.randn(1, 64), torch.randn(1, 64), torch.randn(1, 64))

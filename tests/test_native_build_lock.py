@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 
-from kvchat.kv.cpu_kernel import STALE_LOCK_S, clear_stale_lock
+from kvchat.native import STALE_LOCK_S, clear_stale_lock
 
 
 def test_a_stale_lock_is_removed_and_a_fresh_one_kept(tmp_path):
