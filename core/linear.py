@@ -7,12 +7,13 @@ a quarter of the bytes; every other case is a plain matrix in the compute dtype.
 
 from __future__ import annotations
 
+from types import ModuleType
 from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-from .weights import Int4Groups
+from .weights import Int4Groups, Int8Groups
 
 WEIGHT_FORMATS = ("dense", "int4")
 _INT4_GROUP = 32
@@ -31,12 +32,15 @@ class DenseLinear:
     product (every decode step, and the output layer, the largest matrix) runs ~2x faster
     than through F.linear, which goes to MKL's slow path for a single row."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool = True
+    ) -> None:
         self.weight, self.bias = weight, bias
         self.out_features = weight.shape[0]
         self._packed = (
             torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-            if weight.device.type == "cpu"
+            if prepack
+            and weight.device.type == "cpu"
             and weight.dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available()
             else None
@@ -71,6 +75,27 @@ class Int4Linear:
         )
         y = y.reshape(*shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+class Int8Linear:
+    """The output layer on a GGUF's Q8_0 weights (W = q * scale per 32 inputs) as stored: one
+    row (every decode step's, and a prefill's last token) through core/cpu_ops.py's kernel,
+    which reads half the bytes of a bf16 copy and is exact (fp32 products and sums; the bf16
+    copy rounds every weight); more rows (every position's logits) through `dense`, the bf16
+    matrix. Returns fp32."""
+
+    def __init__(self, groups: Int8Groups, dense: DenseLinear, ops: ModuleType) -> None:
+        self.q, self.scale = groups.q.contiguous(), groups.scale.contiguous()
+        self.dense, self._ops = dense, ops
+        self.out_features = self.q.shape[0]
+        self.read_bytes = _nbytes(self.q, self.scale)
+        self.nbytes = self.read_bytes + dense.nbytes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])
+        if rows.shape[0] > 1:
+            return self.dense(x).float()
+        return self._ops.int8_linear(rows, self.q, self.scale).reshape(*x.shape[:-1], -1)
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from kvchat.kv.backend import AttentionBackend
 
-from .linear import DenseLinear, Linear, make_linear
+from . import cpu_ops
+from .linear import DenseLinear, Int8Linear, Linear, make_linear
 from .rope import Rope
 from .weights import ModelWeights, WeightsError
 
@@ -24,6 +25,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return weight * xf.to(x.dtype)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for the fused projection's output [..., gate | up]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
 
 
 @dataclass
@@ -49,6 +56,11 @@ class Transformer:
         cfg = weights.config
         self.cfg, self.dtype, self.device = cfg, dtype, torch.device(device)
         t = weights.tensors
+        # bf16 on the CPU: norms and the MLP's SiLU-and-multiply in one C++ call each (the
+        # same values but for rare last-bit roundings), and a Q8_0 output layer read as stored.
+        ops = cpu_ops.load() if self.device.type == "cpu" and dtype == torch.bfloat16 else None
+        self._rms_norm = rms_norm if ops is None else ops.rms_norm
+        self._silu_mul = silu_mul if ops is None else ops.silu_mul
 
         def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             if name not in t:
@@ -104,11 +116,18 @@ class Transformer:
         # A tied head on the CPU shares the embedding table instead of holding a second copy
         # (in bf16 it also holds a prepacked copy, which is counted in nbytes).
         self._head_is_embed = cfg.tie_word_embeddings and self.device.type == "cpu"
+        head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+        q8 = weights.int8.get(f"{head}.weight") if weight_format == "int4" and ops else None
         if self._head_is_embed:
-            self.lm_head = DenseLinear(self.embed, None)
+            self.lm_head = DenseLinear(self.embed, None, prepack=q8 is None)
+        elif q8 is not None:
+            weight = tensor(f"{head}.weight", (cfg.vocab_size, h)).to(self.device, dtype)
+            self.lm_head = DenseLinear(weight, None, prepack=False)
         else:
-            head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
             self.lm_head = linear([head], [cfg.vocab_size], h, False)
+        if q8 is not None:
+            assert isinstance(self.lm_head, DenseLinear) and ops is not None
+            self.lm_head = Int8Linear(q8, self.lm_head, ops)
         self.rope = Rope(cfg, self.device)
         self._split = [q_out, kv_out, kv_out]
 
@@ -151,17 +170,19 @@ class Transformer:
         n = ids.shape[0]
         x = F.embedding(ids, self.embed).to(self.device)
         backend.begin(n)
+        norm = self._rms_norm
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(rms_norm(x, layer.attn_norm, cfg.rms_norm_eps))
+            qkv = layer.qkv(norm(x, layer.attn_norm, cfg.rms_norm_eps))
             q, k, v = qkv.split(self._split, dim=-1)
             q = q.view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
             k = k.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
             v = v.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
             attn = backend.attend(i, q, k, v)
             x = x + layer.o(attn.transpose(0, 1).reshape(n, -1))
-            gate, up = layer.gate_up(rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + layer.down(
+                self._silu_mul(layer.gate_up(norm(x, layer.mlp_norm, cfg.rms_norm_eps)))
+            )
         backend.commit()
         if not all_logits:
             x = x[-1:]
-        return self.lm_head(rms_norm(x, self.norm, cfg.rms_norm_eps)).float()
+        return self.lm_head(norm(x, self.norm, cfg.rms_norm_eps)).float()

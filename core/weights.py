@@ -7,14 +7,16 @@ tensor names, so the decoder model never sees a file format.
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from .model_config import ModelConfig
 
-GROUP_SIZE = 32  # Int4Groups group width along the input dimension (GGUF Q4_0 / Q4_1 blocks)
+# Int4Groups' and Int8Groups' group width along the input dimension (GGUF Q4_0 / Q4_1 / Q8_0
+# blocks).
+GROUP_SIZE = 32
 
 
 class WeightsError(ValueError):
@@ -40,6 +42,21 @@ class Int4Groups:
         return (grouped * self.scale[..., None] + self.minimum[..., None]).reshape(rows, -1)
 
 
+@dataclass(frozen=True)
+class Int8Groups:
+    """A weight stored exactly as 8-bit integers with a scale per group of 32 inputs (GGUF
+    Q8_0): weight = q * scale, the product exact in float32."""
+
+    q: torch.Tensor  # int8 [out_features, in_features]
+    scale: torch.Tensor  # float32 [out_features, in_features // 32]
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [out_features, in_features]."""
+        rows = self.q.shape[0]
+        grouped = self.q.reshape(rows, -1, GROUP_SIZE).to(torch.float32)
+        return (grouped * self.scale[..., None]).reshape(rows, -1)
+
+
 @dataclass
 class ModelWeights:
     config: ModelConfig
@@ -47,6 +64,7 @@ class ModelWeights:
     int4: dict[str, Int4Groups]  # the subset of `tensors` stored as Q4_0 / Q4_1
     source: Path  # the resolved file or folder
     metadata: dict[str, object]  # GGUF key/values or the HF config.json dict
+    int8: dict[str, Int8Groups] = field(default_factory=dict)  # the subset stored as Q8_0
 
 
 @dataclass(frozen=True)

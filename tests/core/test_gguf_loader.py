@@ -369,6 +369,26 @@ def test_k_quants_match_an_independent_dequantizer(tmp_path, qtype):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=hf)
 
 
+def test_int8_groups_reproduce_the_gguf_dequantization_exactly(tmp_path):
+    hf = random_model()
+    path = write_model(tmp_path / "m.gguf", hf, weight_type=T.Q8_0)
+    weights = load_gguf(path)
+    in_file = {t.name: t for t in GGUFReader(path).tensors}
+
+    matrices = [name for name, w in hf.items() if w.ndim == 2]
+    assert sorted(weights.int8) == sorted(matrices) and not weights.int4
+    for name in matrices:
+        groups = weights.int8[name]
+        out_features, in_features = hf[name].shape
+        assert groups.q.dtype == torch.int8 and groups.q.shape == (out_features, in_features)
+        assert groups.scale.dtype == torch.float32
+        assert groups.scale.shape == (out_features, in_features // 32)
+        rebuilt = groups.dequantize()
+        assert torch.equal(rebuilt, weights.tensors[name]), name
+        raw = in_file[GGUF_NAMES[name]].data
+        assert np.array_equal(to_gguf_rows(name, rebuilt.numpy(), "llama"), dequantize(raw, T.Q8_0))
+
+
 # --- the real model: Q/K permutation and everything else against transformers --------------
 
 
@@ -393,6 +413,9 @@ def test_smollm2_matches_transformers_gguf_loader(smollm2_weights, transformers_
     # q_proj / k_proj are the permuted ones; equality of every tensor covers them too.
     unequal = [name for name, t in ours.items() if not torch.equal(t, theirs[name])]
     assert unequal == []
+    # The tied embedding is Q8_0 in this file: its int8 groups are the same table.
+    embed = smollm2_weights.int8["model.embed_tokens.weight"].dequantize()
+    assert torch.equal(embed, theirs["lm_head.weight"])
     for layer in (0, 29):  # the int4 groups carry the same row order
         for proj in ("q_proj", "k_proj"):
             name = f"model.layers.{layer}.self_attn.{proj}.weight"
