@@ -18,7 +18,6 @@ proves the script runs end to end; its numbers mean nothing.
 from __future__ import annotations
 
 import os
-import platform
 import sys
 import time
 import traceback
@@ -37,6 +36,7 @@ from kvchat.kv.kernels import AttentionOps, attention_ops
 from kvchat.kv.positions import RopeTables, rotate
 from kvchat.kv.quant import KV_TYPES, BlockPool, bytes_per_token
 
+from .device import cpu_name
 from .model import Transformer
 from .model_config import ModelConfig, RopeScaling
 from .weights import ModelWeights, expected_shapes, load_weights, resolve_model_path
@@ -540,9 +540,7 @@ def run_gpu_bench(
     report: dict = {
         "benchmark": "gpu",
         "dry_run": dry_run,
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "torch": torch.__version__,
         "triton": _triton_version(),
         "cuda": torch.version.cuda,

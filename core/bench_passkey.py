@@ -23,6 +23,7 @@ import torch
 from kvchat.config import Settings
 from kvchat.kv.backend import CacheStats
 
+from .device import cpu_name
 from .engine import Engine, ProgressFn
 from .haystack import PASSKEY_QUESTION, answer_is_correct, make_passkey_document, random_passkey
 from .plan import PlanRefusedError
@@ -319,7 +320,7 @@ def run_passkey_bench(
         log(line)
     stats = engine.stats()
     machine = {
-        "cpu": platform.processor() or platform.machine(),
+        "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "ram_bytes": psutil.virtual_memory().total,
         "platform": platform.platform(),

@@ -10,7 +10,6 @@ operating system still holds it in its page cache, as it would right after a fir
 from __future__ import annotations
 
 import os
-import platform
 import tempfile
 import time
 from collections.abc import Callable
@@ -21,6 +20,7 @@ import torch
 
 from kvchat.config import Settings
 
+from .device import cpu_name
 from .engine import Engine
 from .haystack import PASSKEY_QUESTION, answer_is_correct, make_passkey_document
 from .snapshot import PrefillReport
@@ -111,7 +111,7 @@ def run_snapshot_bench(
         "position_mode": stats.position_mode,
         "long_context": asdict(engine.settings.long_context),
         "threads": stats.threads,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count()},
         "torch": torch.__version__,
         "question": PASSKEY_QUESTION,
         "answer_tokens": ANSWER_TOKENS,

@@ -7,7 +7,6 @@ is meaningful on a shared, noisy machine even when the absolute numbers wander.
 from __future__ import annotations
 
 import os
-import platform
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
@@ -16,6 +15,7 @@ import torch
 
 from kvchat.config import Settings
 
+from .device import cpu_name
 from .engine import Engine, Session
 from .haystack import make_passkey_document
 from .memory import peak_rss, process_rss, reset_peak_rss
@@ -267,7 +267,7 @@ def run_speed_bench(
         "attention": stats.attention,
         "long_context": asdict(engine.settings.long_context),
         "threads": stats.threads,
-        "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count()},
+        "machine": {"cpu": cpu_name(), "cores": os.cpu_count()},
         "torch": torch.__version__,
         "memory_copy_bytes_per_s": roofline,
         "memory_copy_samples": copy_rates,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kvchat.config import load_settings
 from kvchat.core.bench_speed import memory_copy_rate, run_speed_bench
+from kvchat.core.device import cpu_name
 
 SMALL = [
     "long_context.chunk_size=64",
@@ -26,6 +27,7 @@ def test_speed_bench_reports_ratios_and_roofline():
         log=lines.append,
     )
     assert result["memory_copy_bytes_per_s"] > 1e8
+    assert result["machine"]["cpu"] == cpu_name()
     first, row = result["results"]
     ours = row["kvchat"]
     assert ours["attention"] == "sparse" and row["dense"]["attention"] == "dense"
