@@ -114,20 +114,22 @@ class Transformer:
         self.norm = vec("model.norm.weight", h)
         self.lm_head: Linear
         # A tied head on the CPU shares the embedding table instead of holding a second copy
-        # (in bf16 it also holds a prepacked copy, which is counted in nbytes).
+        # (in bf16 it also holds a prepacked copy, counted in nbytes, unless it reads the
+        # file's Q8_0 table).
         self._head_is_embed = cfg.tie_word_embeddings and self.device.type == "cpu"
         head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
-        q8 = weights.int8.get(f"{head}.weight") if weight_format == "int4" and ops else None
-        if self._head_is_embed:
-            self.lm_head = DenseLinear(self.embed, None, prepack=q8 is None)
-        elif q8 is not None:
-            weight = tensor(f"{head}.weight", (cfg.vocab_size, h)).to(self.device, dtype)
-            self.lm_head = DenseLinear(weight, None, prepack=False)
+        q8 = weights.int8.get(f"{head}.weight") if weight_format == "int4" else None
+        if q8 is not None and ops is not None:
+            table = (
+                self.embed
+                if self._head_is_embed
+                else tensor(f"{head}.weight", (cfg.vocab_size, h)).to(self.device, dtype)
+            )
+            self.lm_head = Int8Linear(q8, DenseLinear(table, None, prepack=False), ops)
+        elif self._head_is_embed:
+            self.lm_head = DenseLinear(self.embed, None)
         else:
             self.lm_head = linear([head], [cfg.vocab_size], h, False)
-        if q8 is not None:
-            assert isinstance(self.lm_head, DenseLinear) and ops is not None
-            self.lm_head = Int8Linear(q8, self.lm_head, ops)
         self.rope = Rope(cfg, self.device)
         self._split = [q_out, kv_out, kv_out]
 
