@@ -47,8 +47,8 @@ def decode_attention(
     dequantized in the kernel as the pool's gather would. One softmax over every set; the
     first set is in the kv dtype.
     """
-    n_heads, _, dim = q0.shape
-    out = _module().decode_attention(
+    dim = q0.shape[-1]
+    return _module().decode_attention(
         q0,
         q1,
         [s[0] for s in sets],
@@ -61,7 +61,6 @@ def decode_attention(
         n_kv,
         dim**-0.5,
     )
-    return out.reshape(n_heads, 1, dim).to(q0.dtype)
 
 
 def select_blocks(

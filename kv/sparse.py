@@ -196,6 +196,8 @@ class SparseBackend(AttentionBackend):
         self._gather_v = torch.empty_like(self._gather_k)
         self._head_base = (torch.arange(n_kv_heads) * self.max_blocks).unsqueeze(1)
         self._heads = torch.arange(n_kv_heads).unsqueeze(1)
+        # Where each head's sink block starts in the sink buffers, for the CPU decode kernel.
+        self._sink_starts = self._heads * self.block * head_dim
         self._length = 0
         self._n_new = 0
         self._n_stored = 0  # blocks written to the pools
@@ -248,6 +250,11 @@ class SparseBackend(AttentionBackend):
         if n_new == 1 and self._needs_preselect:
             self._preselect()
         self._n_new = n_new
+        if n_new == 1 and self._cpu_kernels:
+            # Where each head's window starts in the token-major window buffer (row t * n_kv +
+            # h), the same for every layer of the step.
+            ws = self._window_start - self._win_base
+            self._window_starts = (ws * self.n_kv + self._heads) * self.head_dim
         self._cos, self._sin = self.rope.cos_sin(self._length, n_new, self.dtype)
         if self.position_mode == "extrapolate":
             cos, sin = self.rope.cos_sin(self.window, 1, self.dtype)
@@ -503,15 +510,15 @@ class SparseBackend(AttentionBackend):
         """A decode step's attention by the CPU kernel: the window (columns ws..end of the
         token-major buffer, read with qa), the sinks and the retrieved blocks (read with q_far)
         in one softmax."""
-        b, dim, n_kv, heads = self.block, self.head_dim, self.n_kv, self._heads
-        # The window buffer is [win_cap, n_kv, D] underneath: head h's token t is row t*n_kv + h.
+        b, dim, n_kv = self.block, self.head_dim, self.n_kv
+        # The window buffer is [win_cap, n_kv, D] underneath.
         window = (
             st.win_k.transpose(0, 1),
             st.win_v.transpose(0, 1),
             0,
             n_kv * dim,
             end - ws,
-            (ws * n_kv + heads) * dim,
+            self._window_starts,
         )
         sets = [window]
         if not self._reads_store_in_place(layer):
@@ -519,10 +526,10 @@ class SparseBackend(AttentionBackend):
             # buffer first (sinks included).
             k, v = self._retrieve(layer, st, q_far, sinks)
             if k.shape[1]:
-                sets.append((k, v, 1, dim, k.shape[1], heads * k.shape[1] * dim))
+                sets.append((k, v, 1, dim, k.shape[1], self._heads * k.shape[1] * dim))
             return cpu_kernel.decode_attention(qa, q_far, sets, n_kv)
         if sinks:
-            sets.append((st.sink_k, st.sink_v, 1, dim, b, heads * b * dim))
+            sets.append((st.sink_k, st.sink_v, 1, dim, b, self._sink_starts))
         blocks = self._select(layer, st, q_far)
         self._last_selection[layer] = blocks
         pool_k, pool_v = st.k_pool.storage, st.v_pool.storage

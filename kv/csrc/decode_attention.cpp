@@ -486,17 +486,14 @@ void attend_heads(const float* q, int64_t n_kv, int G, const std::vector<Set>& s
 }
 
 template <int D>
-torch::Tensor dispatch(bool bf16, bool dp, const float* q, int64_t n_kv, int G,
-                       const std::vector<Set>& sets, const std::vector<std::vector<Run>>& runs,
-                       float scale, torch::Tensor out) {
-  float* o = out.data_ptr<float>();
+void dispatch(bool bf16, bool dp, const float* q, int64_t n_kv, int G, const std::vector<Set>& sets,
+              const std::vector<std::vector<Run>>& runs, float scale, float* out) {
   if (dp)
-    attend_heads<uint16_t, D, true>(q, n_kv, G, sets, runs, scale, o);
+    attend_heads<uint16_t, D, true>(q, n_kv, G, sets, runs, scale, out);
   else if (bf16)
-    attend_heads<uint16_t, D, false>(q, n_kv, G, sets, runs, scale, o);
+    attend_heads<uint16_t, D, false>(q, n_kv, G, sets, runs, scale, out);
   else
-    attend_heads<float, D, false>(q, n_kv, G, sets, runs, scale, o);
-  return out;
+    attend_heads<float, D, false>(q, n_kv, G, sets, runs, scale, out);
 }
 
 }  // namespace
@@ -505,7 +502,7 @@ torch::Tensor dispatch(bool bf16, bool dp, const float* q, int64_t n_kv, int G,
 // kv dtype: bf16 or fp32), qids[i], strides[i], rows[i] (rows per run) and starts[i] (int64
 // [n_kv, runs_i]); formats[i] (Format): 1 / 2 when the sources are uint8 rows of INT8 / INT4
 // blocks (kv/quant.py's pool storage), each run one block of rows[i] rows, starts[i] in bytes,
-// strides[i] == D. Returns fp32 [n_kv, G, D].
+// strides[i] == D. Returns [n_heads, 1, D] in q0's dtype (computed in fp32).
 torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
                                std::vector<torch::Tensor> k_srcs, std::vector<torch::Tensor> v_srcs,
                                std::vector<int64_t> qids, std::vector<int64_t> strides,
@@ -560,12 +557,14 @@ torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
   const bool dp = KVCHAT_DPBF16 && bf16 && q0.scalar_type() == at::kBFloat16 &&
                   q1.scalar_type() == at::kBFloat16;
   const float sc = static_cast<float>(scale);
+  float* o = out.data_ptr<float>();
   switch (D) {
-    case 32: return dispatch<32>(bf16, dp, qp, n_kv, G, sets, runs, sc, out);
-    case 64: return dispatch<64>(bf16, dp, qp, n_kv, G, sets, runs, sc, out);
-    case 128: return dispatch<128>(bf16, dp, qp, n_kv, G, sets, runs, sc, out);
-    case 256: return dispatch<256>(bf16, dp, qp, n_kv, G, sets, runs, sc, out);
+    case 32: dispatch<32>(bf16, dp, qp, n_kv, G, sets, runs, sc, o); break;
+    case 64: dispatch<64>(bf16, dp, qp, n_kv, G, sets, runs, sc, o); break;
+    case 128: dispatch<128>(bf16, dp, qp, n_kv, G, sets, runs, sc, o); break;
+    case 256: dispatch<256>(bf16, dp, qp, n_kv, G, sets, runs, sc, o); break;
+    default: TORCH_CHECK(false, "head_dim must be 32, 64, 128 or 256, got ", D);
   }
-  TORCH_CHECK(false, "head_dim must be 32, 64, 128 or 256, got ", D);
-  return out;
+  // Converted here rather than by a torch call from Python (one op less per layer and step).
+  return out.view({n_heads, 1, D}).to(q0.scalar_type());
 }
