@@ -13,6 +13,7 @@
 #include <cmath>
 
 #include "bf16.h"
+#include "rows.h"
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -24,14 +25,8 @@ using kvchat::bf16_to_float;
 using kvchat::float_to_bf16;
 using kvchat::round_bf16;
 
-// Rows of a [rows, width] problem, split across threads only when there are many: waking the
-// pool costs more than a decode step's single row.
-template <typename F>
-void for_rows(int64_t rows, F&& row) {
-  at::parallel_for(0, rows, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) row(r);
-  });
-}
+// Rows of a norm or an MLP activation (576 to a few thousand values) per task.
+constexpr int64_t GRAIN = 16;
 
 void check_bf16(const torch::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, what, " must be bf16");
@@ -53,7 +48,7 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const float e = static_cast<float>(eps);
-  for_rows(x.numel() / H, [&](int64_t r) {
+  kvchat::for_rows(x.numel() / H, GRAIN, [&](int64_t r) {
     const uint16_t* a = xp + r * H;
     float squares = 0.f;
 #pragma omp simd reduction(+ : squares)
@@ -78,7 +73,7 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto out = torch::empty(sizes, gate_up.options());
   const auto* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  for_rows(gate_up.numel() / width, [&](int64_t r) {
+  kvchat::for_rows(gate_up.numel() / width, GRAIN, [&](int64_t r) {
     const uint16_t* gate = gp + r * width;
     const uint16_t* up = gate + I;
     uint16_t* o = op + r * I;

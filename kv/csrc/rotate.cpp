@@ -3,9 +3,9 @@
 // rounded again (a product of two bf16 values is exact in fp32, so the roundings match).
 // Eight torch ops and their temporaries cost 17-28 us a call at decode sizes here; this 1-2.5.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include "bf16.h"
+#include "rows.h"
 
 namespace {
 
@@ -41,12 +41,10 @@ torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int64_t rows = x.numel() / D;
-  // A decode step's few rows stay on this thread: waking the pool costs more than them.
-  at::parallel_for(0, rows, 256, [&](int64_t lo, int64_t hi) {
-    for (int64_t r = lo; r < hi; ++r) {
-      const int64_t t = r % T;
-      rotate_row(xp + r * D, cp + t * D, sp + t * D, D / 2, op + r * D);
-    }
+  // Rows of one head's D values: a prefill chunk's many, a decode step's few (kept on one thread).
+  kvchat::for_rows(rows, 256, [&](int64_t r) {
+    const int64_t t = r % T;
+    rotate_row(xp + r * D, cp + t * D, sp + t * D, D / 2, op + r * D);
   });
   return out;
 }
