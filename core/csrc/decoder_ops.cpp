@@ -8,7 +8,6 @@
 // as they are stored (int8 values, an fp32 scale per 32), half the bytes of a bf16 copy and
 // exact: a product of an int8 value and an fp32 input is accumulated in fp32.
 #include <torch/extension.h>
-#include <ATen/Parallel.h>
 
 #include <cmath>
 
@@ -102,35 +101,34 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales
   const int8_t* qp = q.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, N, 256, [&](int64_t lo, int64_t hi) {
-    for (int64_t n = lo; n < hi; ++n) {
-      const int8_t* qr = qp + n * K;
-      const float* sr = sp + n * G;
-      for (int64_t m = 0; m < M; ++m) {
-        const float* xr = xp + m * K;
+  // Output rows (the vocabulary's, for the head) in tasks of 256.
+  kvchat::for_rows(N, 256, [&](int64_t n) {
+    const int8_t* qr = qp + n * K;
+    const float* sr = sp + n * G;
+    for (int64_t m = 0; m < M; ++m) {
+      const float* xr = xp + m * K;
 #if defined(__AVX512F__)
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t g = 0; g < G; ++g) {
-          const int8_t* qg = qr + 32 * g;
-          const __m512 q0 = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg))));
-          const __m512 q1 = _mm512_cvtepi32_ps(
-              _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16))));
-          __m512 dot = _mm512_mul_ps(q0, _mm512_loadu_ps(xr + 32 * g));
-          dot = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 32 * g + 16), dot);
-          acc = _mm512_fmadd_ps(dot, _mm512_set1_ps(sr[g]), acc);
-        }
-        op[m * N + n] = _mm512_reduce_add_ps(acc);
-#else
-        float acc = 0.f;
-        for (int64_t g = 0; g < G; ++g) {
-          float dot = 0.f;
-          for (int i = 0; i < 32; ++i) dot += static_cast<float>(qr[32 * g + i]) * xr[32 * g + i];
-          acc += dot * sr[g];
-        }
-        op[m * N + n] = acc;
-#endif
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t g = 0; g < G; ++g) {
+        const int8_t* qg = qr + 32 * g;
+        const __m512 q0 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg))));
+        const __m512 q1 = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16))));
+        __m512 dot = _mm512_mul_ps(q0, _mm512_loadu_ps(xr + 32 * g));
+        dot = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 32 * g + 16), dot);
+        acc = _mm512_fmadd_ps(dot, _mm512_set1_ps(sr[g]), acc);
       }
+      op[m * N + n] = _mm512_reduce_add_ps(acc);
+#else
+      float acc = 0.f;
+      for (int64_t g = 0; g < G; ++g) {
+        float dot = 0.f;
+        for (int i = 0; i < 32; ++i) dot += static_cast<float>(qr[32 * g + i]) * xr[32 * g + i];
+        acc += dot * sr[g];
+      }
+      op[m * N + n] = acc;
+#endif
     }
   });
   return out;
