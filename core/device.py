@@ -4,30 +4,22 @@ from __future__ import annotations
 
 import os
 import platform
-from functools import cache
 
 import torch
 
-
-@cache
-def _cpuinfo() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="ignore") as f:
-            return f.read()
-    except OSError:
-        return ""
+from kvchat.native import cpuinfo
 
 
 def cpu_has_bf16() -> bool:
     """True when the CPU computes bf16 natively (AVX512-BF16 or AMX); then bf16 is fastest."""
-    flags = _cpuinfo()
+    flags = cpuinfo()
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
 def cpu_name() -> str:
     """The CPU's model name ("AMD EPYC ...", "Intel(R) Xeon(R) ..."), for benchmark reports:
     speed differs by machine class, so every result says which one it ran on."""
-    for line in _cpuinfo().splitlines():
+    for line in cpuinfo().splitlines():
         key, _, value = line.partition(":")
         if key.strip() == "model name" and value.strip():
             return value.strip()

@@ -16,6 +16,7 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 from types import ModuleType
 
@@ -80,9 +81,15 @@ def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
     return True
 
 
-def _cpu_flags() -> str:
+@cache
+def cpuinfo() -> str:
+    """The text of /proc/cpuinfo ("" where there is none): the CPU's flags and model name."""
     try:
-        text = Path("/proc/cpuinfo").read_text()
+        return Path("/proc/cpuinfo").read_text(encoding="ascii", errors="ignore")
     except OSError:
-        return platform.processor()
-    return next((line for line in text.splitlines() if line.startswith("flags")), "")
+        return ""
+
+
+def _cpu_flags() -> str:
+    flags = (line for line in cpuinfo().splitlines() if line.startswith("flags"))
+    return next(flags, platform.processor())
