@@ -131,7 +131,7 @@ class Transformer:
         else:
             self.lm_head = linear([head], [cfg.vocab_size], h, False)
         self.rope = Rope(cfg, self.device)
-        self._split = [q_out, kv_out, kv_out]
+        self._qkv_heads = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]
 
     @property
     def nbytes(self) -> int:
@@ -175,10 +175,9 @@ class Transformer:
         norm = self._rms_norm
         for i, layer in enumerate(self.layers):
             qkv = layer.qkv(norm(x, layer.attn_norm, cfg.rms_norm_eps))
-            q, k, v = qkv.split(self._split, dim=-1)
-            q = q.view(n, cfg.num_heads, cfg.head_dim).transpose(0, 1)
-            k = k.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
-            v = v.view(n, cfg.num_kv_heads, cfg.head_dim).transpose(0, 1)
+            # [heads, n, head_dim] views of q, k and v: three ops, not seven, per layer.
+            heads = qkv.view(n, -1, cfg.head_dim).transpose(0, 1)
+            q, k, v = heads.split_with_sizes(self._qkv_heads)
             attn = backend.attend(i, q, k, v)
             x = x + layer.o(attn.transpose(0, 1).reshape(n, -1))
             x = x + layer.down(

@@ -431,6 +431,14 @@ class SparseBackend(AttentionBackend):
             return torch.cat([st.preselected, fresh])
         return torch.arange(_SINK_BLOCKS, max(self._n_anchored, _SINK_BLOCKS))
 
+    def _n_candidates(self, st: _LayerState) -> int:
+        """len(self._candidates(st)), without building them (the selection kernel reads the
+        candidates' anchors as a range)."""
+        if st.preselected is not None:
+            fresh = self._n_anchored - max(self._first_generated, _SINK_BLOCKS)
+            return len(st.preselected) + max(fresh, 0)
+        return max(self._n_anchored - _SINK_BLOCKS, 0)
+
     def _select(self, layer: int, st: _LayerState, q_far: torch.Tensor) -> torch.Tensor | None:
         """Block ids this layer reads now: [k] shared by all heads or [n_kv, k] per head."""
         lc = self.lc
@@ -453,17 +461,16 @@ class SparseBackend(AttentionBackend):
                 st.selection = torch.cat([st.selection, fresh], dim=-1)
                 st.selection_upto = self._n_anchored
             return st.selection
-        candidates = self._candidates(st)
-        if lc.second_select_num == 0 or len(candidates) == 0:
+        if lc.second_select_num == 0 or self._n_candidates(st) == 0:
             return None
         query = q_far[:, 0].float() if decoding else q_far.float().mean(dim=1)
-        st.selection = self._rank(st, query, candidates)
+        st.selection = self._rank(st, query)
         st.selection_upto = self._n_anchored
         # A chunk's selection (from its mean query) is never reused for decode queries.
         st.selection_age = 1 if decoding else lc.token_step
         return st.selection
 
-    def _rank(self, st: _LayerState, query: torch.Tensor, candidates: torch.Tensor) -> torch.Tensor:
+    def _rank(self, st: _LayerState, query: torch.Tensor) -> torch.Tensor:
         """The second_select_num candidates that score highest for `query` [n_heads, D]."""
         lc = self.lc
         if self._cpu_kernels and st.preselected is None:
@@ -476,6 +483,7 @@ class SparseBackend(AttentionBackend):
                 lc.anchor_type,
                 lc.head_select_mode,
             )
+        candidates = self._candidates(st)
         if self.tier is None:
             # Without preselection the candidates are one run of blocks: score their anchors
             # in place instead of copying them (a copy of every anchor, per layer, per token).
