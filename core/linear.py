@@ -17,9 +17,9 @@ from .weights import Int4Groups, Int8Groups
 
 WEIGHT_FORMATS = ("dense", "int4")
 _INT4_GROUP = 32
-# The op's overload itself: calling it through torch.ops' packet resolves the overload on
-# every call (~5 us, 120 calls a SmolLM2 decode step).
-_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+# The op as torch's own function: through torch.ops it costs ~5 us more a call (the packet
+# resolves its overload each time), 120 calls a SmolLM2 decode step.
+_INT4_MM = torch._weight_int4pack_mm_for_cpu
 
 
 class Linear(Protocol):
