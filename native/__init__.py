@@ -42,12 +42,7 @@ def build_extension(prefix: str, sources: Sequence[Path]) -> ModuleType | None:
         import ninja
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-    # The build is for these sources, this torch and Python, and this CPU (-march=native:
-    # a home directory shared with another CPU model must not load it).
-    headers = sorted(INCLUDE.glob("*.h"))
-    text = b"".join(path.read_bytes() for path in [*sources, *headers])
-    versions = f"{torch.__version__} {sys.version_info[:2]} {_cpu_flags()}"
-    name = f"{prefix}_{hashlib.sha256(text + versions.encode()).hexdigest()[:12]}"
+    name = build_name(prefix, sources)
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     build_dir = Path(root) / name
     try:
@@ -64,6 +59,18 @@ def build_extension(prefix: str, sources: Sequence[Path]) -> ModuleType | None:
     except (OSError, RuntimeError, ImportError) as err:
         log.warning("the C++ kernels %s could not be built (%s); using torch", prefix, err)
         return None
+
+
+def build_name(prefix: str, sources: Sequence[Path]) -> str:
+    """The cached build's name: a hash of the sources, the headers they may include (the
+    shared ones and any beside them), this torch and Python, and this CPU (-march=native: a
+    home directory shared with another CPU model must not load it)."""
+    headers = sorted(
+        {*INCLUDE.glob("*.h"), *(h for src in sources for h in src.parent.glob("*.h"))}
+    )
+    text = b"".join(path.read_bytes() for path in [*sources, *headers])
+    versions = f"{torch.__version__} {sys.version_info[:2]} {_cpu_flags()}"
+    return f"{prefix}_{hashlib.sha256(text + versions.encode()).hexdigest()[:12]}"
 
 
 def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
