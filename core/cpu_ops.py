@@ -15,7 +15,9 @@ from types import ModuleType
 
 from kvchat.native import build_extension
 
-SOURCES = [Path(__file__).with_name("csrc") / "decoder_ops.cpp"]
+SOURCES = [
+    Path(__file__).with_name("csrc") / name for name in ("decoder_ops.cpp", "int4_layer.cpp")
+]
 
 
 @cache

@@ -1,8 +1,9 @@
 """Linear layers in the weight format that runs fastest for the file and the compute dtype.
 
 GGUF Q4_0/Q4_1 weights are exact 4-bit integers in groups of 32, so on the CPU with bf16
-activations they run through PyTorch's int4 group-32 kernel without losing anything and read
-a quarter of the bytes; every other case is a plain matrix in the compute dtype.
+activations they run as int4 and read a quarter of the bytes: through core/csrc/int4_layer.cpp
+where it has its AVX512-BF16 path, else through PyTorch's int4 group-32 kernel. Every other
+case is a plain matrix in the compute dtype.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from .int4_layer import Int4Pack, pack_int4
 from .weights import Int4Groups, Int8Groups
 
 WEIGHT_FORMATS = ("dense", "int4")
@@ -80,6 +82,33 @@ class Int4Linear:
         return y if self.bias is None else y + self.bias
 
 
+class PackedInt4Linear:
+    """y = x @ W.T for the same int4 weights in core/csrc/int4_layer.cpp's layout (`ops`, where
+    it has its AVX512-BF16 path): rows up to a few dozen through its int4 product (16 output
+    rows per vector; a decode step's four products a layer also run fused, see
+    core/int4_layer.py), more rows (prefill chunks) through a bf16 matrix product with the
+    weight unpacked for the call: torch's int4 kernel took ~7x longer for a 2048-row chunk
+    here (SmolLM2's gate_up: 105 ms; unpacking ~2 ms, the bf16 product 15 ms). The unpacked
+    weight is q * scale + minimum rounded to bf16; the one-row product is exact in fp32."""
+
+    # Rows from which unpacking the weight and a bf16 product beat the int4 product.
+    UNPACK_ROWS = 64
+
+    def __init__(self, pack: Int4Pack, bias: torch.Tensor | None, ops: ModuleType) -> None:
+        self.pack, self.bias, self._ops = pack, bias, ops
+        self.out_features = pack.out_features
+        self.nbytes = self.read_bytes = pack.nbytes + _nbytes(bias)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        if rows.shape[0] < self.UNPACK_ROWS:
+            y = self._ops.int4_linear(rows, *self.pack.parts)
+            y = y if self.bias is None else y + self.bias
+        else:
+            y = F.linear(rows, self._ops.int4_dequantize(*self.pack.parts), self.bias)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+
 class Int8Linear:
     """The output layer on a GGUF's Q8_0 weights (W = q * scale per 32 inputs) as stored: one
     row (every decode step's, and a prefill's last token) through core/cpu_ops.py's kernel,
@@ -105,14 +134,6 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
-def _concat_groups(groups: list[Int4Groups]) -> Int4Groups:
-    return Int4Groups(
-        q=torch.cat([g.q for g in groups]),
-        scale=torch.cat([g.scale for g in groups]),
-        minimum=torch.cat([g.minimum for g in groups]),
-    )
-
-
 def make_linear(
     mats: list[torch.Tensor],
     int4: list[Int4Groups | None],
@@ -120,8 +141,10 @@ def make_linear(
     weight_format: str,
     dtype: torch.dtype,
     device: torch.device,
+    ops: ModuleType | None = None,
 ) -> Linear:
-    """One linear layer from the row blocks `mats` (fused along the output dim)."""
+    """One linear layer from the row blocks `mats` (fused along the output dim). `ops`:
+    core/cpu_ops.py's module, whose int4 products replace torch's where they run vectorized."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight format {weight_format!r}; choose one of {WEIGHT_FORMATS}")
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
@@ -132,6 +155,11 @@ def make_linear(
         and mats[0].shape[1] % _INT4_GROUP == 0
     )
     if usable_int4:
-        return Int4Linear(_concat_groups(int4), bias, dtype)  # type: ignore[arg-type]
+        groups = Int4Groups.cat(int4)  # type: ignore[arg-type]
+        own = ops is not None and ops.int4_vectorized and dtype == torch.bfloat16
+        pack = pack_int4(groups) if own else None
+        if pack is not None:
+            return PackedInt4Linear(pack, bias, ops)  # type: ignore[arg-type]
+        return Int4Linear(groups, bias, dtype)
     weight = torch.cat(mats).to(device=device, dtype=dtype).contiguous()
     return DenseLinear(weight, bias)

@@ -8,6 +8,7 @@ large) and only the rows of the current chunk move to the compute device.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +16,8 @@ import torch.nn.functional as F
 from kvchat.kv.backend import AttentionBackend
 
 from . import cpu_ops
-from .linear import DenseLinear, Int8Linear, Linear, make_linear
+from .int4_layer import Int4DecodeLayer
+from .linear import DenseLinear, Int8Linear, Linear, PackedInt4Linear, make_linear
 from .rope import Rope
 from .weights import ModelWeights, WeightsError
 
@@ -87,7 +89,7 @@ class Transformer:
                 if bias
                 else None
             )
-            return make_linear(mats, int4, biases, weight_format, dtype, self.device)
+            return make_linear(mats, int4, biases, weight_format, dtype, self.device, ops)
 
         h, d = cfg.hidden_size, cfg.head_dim
         q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -95,21 +97,19 @@ class Transformer:
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             attn = [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"]
-            self.layers.append(
-                Layer(
-                    attn_norm=vec(p + "input_layernorm.weight", h),
-                    qkv=linear(attn, [q_out, kv_out, kv_out], h, cfg.attention_bias),
-                    o=linear([p + "self_attn.o_proj"], [h], q_out, False),
-                    mlp_norm=vec(p + "post_attention_layernorm.weight", h),
-                    gate_up=linear(
-                        [p + "mlp.gate_proj", p + "mlp.up_proj"],
-                        [cfg.intermediate_size] * 2,
-                        h,
-                        False,
-                    ),
-                    down=linear([p + "mlp.down_proj"], [h], cfg.intermediate_size, False),
-                )
+            gate_up = [p + "mlp.gate_proj", p + "mlp.up_proj"]
+            layer = Layer(
+                attn_norm=vec(p + "input_layernorm.weight", h),
+                qkv=linear(attn, [q_out, kv_out, kv_out], h, cfg.attention_bias),
+                o=linear([p + "self_attn.o_proj"], [h], q_out, False),
+                mlp_norm=vec(p + "post_attention_layernorm.weight", h),
+                gate_up=linear(gate_up, [cfg.intermediate_size] * 2, h, False),
+                down=linear([p + "mlp.down_proj"], [h], cfg.intermediate_size, False),
             )
+            self.layers.append(layer)
+        # One-token passes in two C++ calls a layer (core/int4_layer.py) where every
+        # projection runs on int4_layer.cpp's packed weights.
+        self._decode_layers = self._int4_decode_layers(ops)
         self.embed = tensor("model.embed_tokens.weight", (cfg.vocab_size, h)).to(dtype)
         self.norm = vec("model.norm.weight", h)
         self.lm_head: Linear
@@ -132,6 +132,28 @@ class Transformer:
             self.lm_head = linear([head], [cfg.vocab_size], h, False)
         self.rope = Rope(cfg, self.device)
         self._qkv_heads = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]
+
+    def _int4_decode_layers(self, ops: ModuleType | None) -> list[Int4DecodeLayer] | None:
+        decode = []
+        for layer in self.layers:
+            linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
+            if ops is None or not all(isinstance(m, PackedInt4Linear) for m in linears):
+                return None
+            qkv, o, gate_up, down = (m.pack for m in linears)  # type: ignore[union-attr]
+            decode.append(
+                Int4DecodeLayer(
+                    qkv,
+                    o,
+                    gate_up,
+                    down,
+                    layer.attn_norm,
+                    layer.mlp_norm,
+                    self.cfg.rms_norm_eps,
+                    layer.qkv.bias,  # type: ignore[union-attr]
+                    ops,
+                )
+            )
+        return decode
 
     @property
     def nbytes(self) -> int:
@@ -173,13 +195,20 @@ class Transformer:
         x = F.embedding(ids, self.embed).to(self.device)
         backend.begin(n)
         norm = self._rms_norm
+        decode = self._decode_layers if n == 1 else None
         for i, layer in enumerate(self.layers):
-            qkv = layer.qkv(norm(x, layer.attn_norm, cfg.rms_norm_eps))
+            if decode is not None:
+                qkv = decode[i].qkv(x)
+            else:
+                qkv = layer.qkv(norm(x, layer.attn_norm, cfg.rms_norm_eps))
             # [heads, n, head_dim] views of q, k and v: three ops, not seven, per layer.
             heads = qkv.view(n, -1, cfg.head_dim).transpose(0, 1)
             q, k, v = heads.split_with_sizes(self._qkv_heads)
-            attn = backend.attend(i, q, k, v)
-            x = x + layer.o(attn.transpose(0, 1).reshape(n, -1))
+            attn = backend.attend(i, q, k, v).transpose(0, 1).reshape(n, -1)
+            if decode is not None:
+                x = decode[i].tail(x, attn)
+                continue
+            x = x + layer.o(attn)
             x = x + layer.down(
                 self._silu_mul(layer.gate_up(norm(x, layer.mlp_norm, cfg.rms_norm_eps)))
             )

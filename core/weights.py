@@ -41,6 +41,15 @@ class Int4Groups:
         grouped = self.q.reshape(rows, -1, GROUP_SIZE).to(torch.float32)
         return (grouped * self.scale[..., None] + self.minimum[..., None]).reshape(rows, -1)
 
+    @staticmethod
+    def cat(groups: list[Int4Groups]) -> Int4Groups:
+        """Weights stacked along the output dimension (a fused projection)."""
+        return Int4Groups(
+            q=torch.cat([g.q for g in groups]),
+            scale=torch.cat([g.scale for g in groups]),
+            minimum=torch.cat([g.minimum for g in groups]),
+        )
+
 
 @dataclass(frozen=True)
 class Int8Groups:

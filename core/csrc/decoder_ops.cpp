@@ -12,6 +12,7 @@
 #include <cmath>
 
 #include "bf16.h"
+#include "decoder_ops.h"
 #include "rows.h"
 
 #if defined(__AVX512F__)
@@ -47,16 +48,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const float e = static_cast<float>(eps);
-  kvchat::for_rows(x.numel() / H, GRAIN, [&](int64_t r) {
-    const uint16_t* a = xp + r * H;
-    float squares = 0.f;
-#pragma omp simd reduction(+ : squares)
-    for (int64_t d = 0; d < H; ++d) squares += bf16_to_float(a[d]) * bf16_to_float(a[d]);
-    const float inv = 1.f / std::sqrt(squares / static_cast<float>(H) + e);
-    uint16_t* o = op + r * H;
-    for (int64_t d = 0; d < H; ++d)
-      o[d] = float_to_bf16(bf16_to_float(wp[d]) * round_bf16(bf16_to_float(a[d]) * inv));
-  });
+  kvchat::for_rows(x.numel() / H, GRAIN,
+                   [&](int64_t r) { kvchat::norm_row(xp + r * H, wp, H, e, op + r * H); });
   return out;
 }
 
@@ -74,15 +67,30 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   kvchat::for_rows(gate_up.numel() / width, GRAIN, [&](int64_t r) {
     const uint16_t* gate = gp + r * width;
-    const uint16_t* up = gate + I;
-    uint16_t* o = op + r * I;
-    for (int64_t d = 0; d < I; ++d) {
-      const float g = bf16_to_float(gate[d]);
-      o[d] = float_to_bf16(round_bf16(g / (1.f + std::exp(-g))) * bf16_to_float(up[d]));
-    }
+    kvchat::silu_mul_row(gate, gate + I, I, op + r * I);
   });
   return out;
 }
+
+namespace kvchat {
+
+void norm_row(const uint16_t* x, const uint16_t* weight, int64_t H, float eps, uint16_t* out) {
+  float squares = 0.f;
+#pragma omp simd reduction(+ : squares)
+  for (int64_t d = 0; d < H; ++d) squares += bf16_to_float(x[d]) * bf16_to_float(x[d]);
+  const float inv = 1.f / std::sqrt(squares / static_cast<float>(H) + eps);
+  for (int64_t d = 0; d < H; ++d)
+    out[d] = float_to_bf16(bf16_to_float(weight[d]) * round_bf16(bf16_to_float(x[d]) * inv));
+}
+
+void silu_mul_row(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out) {
+  for (int64_t d = 0; d < n; ++d) {
+    const float g = bf16_to_float(gate[d]);
+    out[d] = float_to_bf16(round_bf16(g / (1.f + std::exp(-g))) * bf16_to_float(up[d]));
+  }
+}
+
+}  // namespace kvchat
 
 // x [M, K] (any float dtype) times the int8 weight q [N, K] with fp32 scales [N, K / 32]:
 // fp32 [M, N]. Each 32-value group's products are summed, then scaled.
@@ -138,4 +146,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
   m.def("int8_linear", &int8_linear);
+  m.def("int4_linear", &int4_linear);
+  m.def("int4_dequantize", &int4_dequantize);
+  m.def("int4_qkv", &int4_qkv);
+  m.def("int4_tail", &int4_tail);
+  // Whether the int4 ops have their vector path here (else they compute one value at a time).
+  m.attr("int4_vectorized") = kvchat::int4_vectorized;
 }

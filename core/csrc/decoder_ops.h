@@ -1,0 +1,30 @@
+// What decoder_ops.cpp and int4_layer.cpp share: the row functions the single ops and the
+// fused int4 layer calls both use (one definition each, so both round alike), and the int4
+// ops that decoder_ops.cpp binds.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+
+namespace kvchat {
+
+// weight * (x * rsqrt(mean(x^2) + eps)) over H values: the statistics in fp32, the normalised
+// row rounded to bf16, then the product with the weight rounded to bf16.
+void norm_row(const uint16_t* x, const uint16_t* weight, int64_t H, float eps, uint16_t* out);
+
+// silu(gate) * up over n values: the SiLU rounded to bf16, then the product.
+void silu_mul_row(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t* out);
+
+extern const bool int4_vectorized;
+
+}  // namespace kvchat
+
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
+                          torch::Tensor minimum);
+torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scale, torch::Tensor minimum);
+torch::Tensor int4_qkv(torch::Tensor x, torch::Tensor norm_weight, double eps,
+                       std::vector<torch::Tensor> qkv, c10::optional<torch::Tensor> bias);
+torch::Tensor int4_tail(torch::Tensor x, torch::Tensor attn, std::vector<torch::Tensor> o,
+                        torch::Tensor norm_weight, double eps, std::vector<torch::Tensor> gate_up,
+                        std::vector<torch::Tensor> down);

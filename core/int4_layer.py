@@ -1,0 +1,102 @@
+"""A decode token's pass through a layer's int4 projections in two C++ calls (CPU, bf16).
+
+A decode step on the CPU ran torch's int4 kernel four times a layer, each call with its Python,
+its dispatch and its own fork and join of the threads, with the norms, the SiLU and the
+residual adds as separate calls between them. `Int4DecodeLayer` holds the layer's GGUF Q4_0 /
+Q4_1 weights in the layout of core/csrc/int4_layer.cpp and runs the layer around its attention
+in two calls: `qkv` (RMSNorm, then q, k and v) and `tail` (the output projection and residual,
+RMSNorm, the MLP and its residual), on the same packed weights as the layer's
+`PackedInt4Linear`s (core/linear.py), which run prefill chunks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from .weights import GROUP_SIZE, Int4Groups
+
+
+@dataclass(frozen=True)
+class Int4Pack:
+    """A weight [N, K] in int4_layer.cpp's layout. Tile t holds rows 16 t .. 16 t + 15; its
+    group g is 8 chunks of 32 bytes, and byte 2 r + e of chunk c holds, for row r, input
+    32 g + 4 c + e in its low nibble and 32 g + 4 c + 2 + e in its high one: widened to 16-bit
+    words, a chunk's low (high) nibbles are 16 rows' pairs of adjacent inputs, which one
+    vdpbf16ps multiplies by that (broadcast) input pair. scale and minimum are the file's
+    fp16 values, [N / 16, K / 32, 16]."""
+
+    packed: torch.Tensor  # uint8 [N / 16, 8 K]
+    scale: torch.Tensor
+    minimum: torch.Tensor
+
+    @property
+    def out_features(self) -> int:
+        return 16 * self.packed.shape[0]
+
+    @property
+    def parts(self) -> list[torch.Tensor]:
+        return [self.packed, self.scale, self.minimum]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.parts)
+
+
+def pack_int4(groups: Int4Groups) -> Int4Pack | None:
+    """`groups` in int4_layer.cpp's layout, or None where it does not apply: N not a multiple
+    of 16, or scales and minimums that fp16 does not hold exactly (a GGUF's always are)."""
+    q, scale, minimum = groups.q, groups.scale, groups.minimum
+    n, k = q.shape
+    if n % 16 or k % GROUP_SIZE:
+        return None
+    half_scale, half_minimum = scale.half(), minimum.half()
+    if not (torch.equal(half_scale.float(), scale) and torch.equal(half_minimum.float(), minimum)):
+        return None
+    tiles, n_groups = n // 16, k // GROUP_SIZE
+    # [tile, row, group, chunk, low/high, e] -> [tile, group, chunk, row, e, low/high]
+    q = q.view(tiles, 16, n_groups, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)
+    packed = (q[..., 0] | (q[..., 1] << 4)).reshape(tiles, n_groups * 256).contiguous()
+
+    def per_tile(t: torch.Tensor) -> torch.Tensor:
+        return t.view(tiles, 16, n_groups).transpose(1, 2).contiguous()
+
+    return Int4Pack(packed, per_tile(half_scale), per_tile(half_minimum))
+
+
+class Int4DecodeLayer:
+    """One layer's projections for one token: `qkv(x)` and `tail(x, attn)`, bf16 [1, ...]."""
+
+    def __init__(
+        self,
+        qkv: Int4Pack,
+        o: Int4Pack,
+        gate_up: Int4Pack,
+        down: Int4Pack,
+        attn_norm: torch.Tensor,
+        mlp_norm: torch.Tensor,
+        eps: float,
+        qkv_bias: torch.Tensor | None,
+        ops: ModuleType,
+    ) -> None:
+        self._qkv, self._o, self._gate_up, self._down = qkv, o, gate_up, down
+        self._attn_norm, self._mlp_norm, self._eps = attn_norm, mlp_norm, eps
+        self._qkv_bias, self._ops = qkv_bias, ops
+
+    def qkv(self, x: torch.Tensor) -> torch.Tensor:
+        """rms_norm(x) times the fused q, k, v weight (+ bias): [1, q + k + v]."""
+        return self._ops.int4_qkv(x, self._attn_norm, self._eps, self._qkv.parts, self._qkv_bias)
+
+    def tail(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """y = x + o(attn); y + down(silu(gate) * up) of rms_norm(y): [1, hidden]."""
+        return self._ops.int4_tail(
+            x,
+            attn,
+            self._o.parts,
+            self._mlp_norm,
+            self._eps,
+            self._gate_up.parts,
+            self._down.parts,
+        )

@@ -1,0 +1,157 @@
+"""The int4 decode calls (core/csrc/int4_layer.cpp, core/int4_layer.py): the product against
+the exact weights, the fused layer calls against the single ops one after another (bit for
+bit), and the bundled model's decode steps through them against its torch int4 path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.core import cpu_ops
+from kvchat.core.int4_layer import Int4DecodeLayer, pack_int4
+from kvchat.core.linear import PackedInt4Linear
+from kvchat.core.weights import Int4Groups
+
+OPS = cpu_ops.load()
+pytestmark = pytest.mark.skipif(
+    OPS is None or not OPS.int4_vectorized,
+    reason="the int4 decode calls need the C++ ops with AVX512-BF16",
+)
+
+
+def _groups(out_features: int, in_features: int, seed: int = 0) -> Int4Groups:
+    """Q4_1-like groups: fp16 scales and minimums, as a GGUF holds them."""
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8)
+    shape = (out_features, in_features // 32)
+    scale = (torch.rand(shape, generator=gen) * 0.02 + 1e-3).half().float()
+    minimum = (-8 * scale + torch.rand(shape, generator=gen) * 1e-3).half().float()
+    return Int4Groups(q, scale, minimum)
+
+
+def _bf16(*shape, scale=1.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).bfloat16()
+
+
+def _linear(x: torch.Tensor, groups: Int4Groups) -> torch.Tensor:
+    pack = pack_int4(groups)
+    assert pack is not None
+    return OPS.int4_linear(x, *pack.parts)
+
+
+@pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 960, 576), (3, 48, 64)])
+def test_int4_linear_is_the_exact_weights_product_rounded_once(rows, out_features, in_features):
+    """An odd number of 16-row tiles (48 rows) too: the last one alone."""
+    groups = _groups(out_features, in_features)
+    x = _bf16(rows, in_features, seed=1)
+    got = _linear(x, groups)
+    exact = x.double() @ groups.dequantize().double().T
+    assert got.dtype == torch.bfloat16 and got.shape == (rows, out_features)
+    # One rounding to bf16 (2^-9 relative) plus fp32 sums (~1e-6 of the row's magnitude).
+    error = (got.double() - exact).abs()
+    assert (error <= exact.abs() * 2**-8 + 1e-5 * exact.abs().max()).all()
+
+
+def test_pack_int4_declines_what_the_layout_cannot_hold():
+    assert pack_int4(_groups(40, 64)) is None  # rows not a multiple of 16
+    groups = _groups(32, 64)
+    inexact = Int4Groups(groups.q, groups.scale + 1e-7, groups.minimum)
+    assert pack_int4(inexact) is None  # scales fp16 does not hold
+
+
+def test_the_calls_refuse_mismatched_weights():
+    pack = pack_int4(_groups(32, 64))
+    assert pack is not None
+    with pytest.raises(RuntimeError, match="for 96 inputs"):
+        OPS.int4_linear(_bf16(1, 96), *pack.parts)
+    with pytest.raises(RuntimeError, match="bf16"):
+        OPS.int4_qkv(torch.randn(1, 64), _bf16(64), 1e-5, pack.parts, None)
+
+
+def _layer(hidden: int, intermediate: int, heads_out: int, bias: bool) -> tuple:
+    qkv, o = _groups(heads_out, hidden, 1), _groups(hidden, hidden, 2)
+    gate_up, down = _groups(2 * intermediate, hidden, 3), _groups(hidden, intermediate, 4)
+    attn_norm, mlp_norm = _bf16(hidden, seed=5), _bf16(hidden, seed=6)
+    qkv_bias = _bf16(heads_out, seed=7) if bias else None
+    packs = [pack_int4(g) for g in (qkv, o, gate_up, down)]
+    layer = Int4DecodeLayer(*packs, attn_norm, mlp_norm, 1e-5, qkv_bias, OPS)
+    return layer, (qkv, o, gate_up, down, attn_norm, mlp_norm, qkv_bias)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_fused_calls_equal_the_single_ops_one_after_another(threads, bias):
+    """SmolLM2's shapes (hidden 576, intermediate 1536, q + k + v 960): bit for bit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        layer, (qkv, o, gate_up, down, attn_norm, mlp_norm, qkv_bias) = _layer(576, 1536, 960, bias)
+        x, attn = _bf16(1, 576, scale=2.0, seed=8), _bf16(1, 576, seed=9)
+        want_qkv = _linear(OPS.rms_norm(x, attn_norm, 1e-5), qkv)
+        if qkv_bias is not None:
+            want_qkv = want_qkv + qkv_bias
+        assert torch.equal(layer.qkv(x), want_qkv)
+        y = x + _linear(attn, o)
+        mlp = _linear(OPS.silu_mul(_linear(OPS.rms_norm(y, mlp_norm, 1e-5), gate_up)), down)
+        assert torch.equal(layer.tail(x, attn), y + mlp)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_many_rows_go_through_the_unpacked_bf16_weight():
+    groups = _groups(96, 128)
+    pack = pack_int4(groups)
+    assert pack is not None
+    unpacked = OPS.int4_dequantize(*pack.parts)
+    assert torch.equal(unpacked, groups.dequantize().bfloat16())  # one rounding, as torch's
+    bias = _bf16(96, seed=2)
+    linear = PackedInt4Linear(pack, bias, OPS)
+    few, many = _bf16(2, 128, seed=3), _bf16(PackedInt4Linear.UNPACK_ROWS, 128, seed=4)
+    assert torch.equal(linear(few), OPS.int4_linear(few, *pack.parts) + bias)
+    assert torch.equal(linear(many), torch.nn.functional.linear(many, unpacked, bias))
+    assert linear(many.view(8, 8, 128)).shape == (8, 8, 96)
+
+
+def test_the_bundled_model_runs_on_the_packed_weights_close_to_its_exact_weights(engine_fp32):
+    """bf16 with the GGUF's int4 weights: every projection is packed and every layer has its
+    decode calls. Its prompt pass (the bf16 products of unpacked weights) and decode steps
+    (the fused calls, bit for bit the single products) pick the fp32 engine's tokens, its
+    logits within bf16's reach of the exact weights' (the fp32 engine holds them exactly)."""
+    from kvchat.core.model import Transformer
+    from kvchat.core.weights import load_weights
+    from kvchat.kv.dense import DenseBackend
+
+    weights = load_weights(engine_fp32.source)
+    model = Transformer(weights, dtype=torch.bfloat16, weight_format="int4")
+    fused = model._decode_layers
+    assert fused is not None and len(fused) == model.cfg.num_layers
+    cfg = model.cfg
+    prompt = torch.tensor(engine_fp32.tokenizer.encode("The capital of France is the city of"))
+
+    def run(m: Transformer, dtype: torch.dtype, tokens: list[int]) -> list[torch.Tensor]:
+        """Logits after the prompt and after each of `tokens` fed one at a time (greedy
+        where `tokens` is filled as it goes)."""
+        cache = DenseBackend(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, m.rope, dtype, "cpu", 64
+        )
+        logits = [m.forward(prompt, cache)]
+        for step in range(4):
+            if len(tokens) == step:
+                tokens.append(int(logits[-1].argmax()))
+            logits.append(m.forward(torch.tensor([tokens[step]]), cache))
+        return logits
+
+    tokens: list[int] = []
+    exact = run(engine_fp32.model, torch.float32, tokens)
+    ours = run(model, torch.bfloat16, tokens)
+    model._decode_layers = None
+    try:
+        single = run(model, torch.bfloat16, tokens)
+    finally:
+        model._decode_layers = fused
+    for step, (a, b, c) in enumerate(zip(ours, single, exact, strict=True)):
+        assert torch.equal(a, b), step  # fused or one product at a time: the same values
+        assert torch.equal(a.argmax(-1), c.argmax(-1)), step
+        # bf16 activations through 30 layers: 0.7-2.3% of the largest logit here.
+        torch.testing.assert_close(a, c, rtol=0, atol=0.05 * c.abs().max().item())
