@@ -87,12 +87,14 @@ class PackedInt4Linear:
     it has its AVX512-BF16 path): rows up to a few dozen through its int4 product (16 output
     rows per vector; a decode step's four products a layer also run fused, see
     core/int4_layer.py), more rows (prefill chunks) through a bf16 matrix product with the
-    weight unpacked for the call: torch's int4 kernel took ~7x longer for a 2048-row chunk
-    here (SmolLM2's gate_up: 105 ms; unpacking ~2 ms, the bf16 product 15 ms). The unpacked
-    weight is q * scale + minimum rounded to bf16; the one-row product is exact in fp32."""
+    weight unpacked for the call: torch's int4 kernel took ~6x longer for a 2048-row chunk
+    here (SmolLM2's gate_up: 105 ms; unpacking 1.5 ms, the bf16 product 15 ms). The unpacked
+    weight is q * scale + minimum rounded to bf16; the int4 product multiplies exactly and
+    sums in fp32."""
 
-    # Rows from which unpacking the weight and a bf16 product beat the int4 product.
-    UNPACK_ROWS = 64
+    # Rows from which unpacking the weight and a bf16 product beat the int4 product (gate_up
+    # on the Xeon: 1.67 against 1.98 ms at 32 rows, 2.52 against 1.89 at 48; down alike).
+    UNPACK_ROWS = 40
 
     def __init__(self, pack: Int4Pack, bias: torch.Tensor | None, ops: ModuleType) -> None:
         self.pack, self.bias, self._ops = pack, bias, ops

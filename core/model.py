@@ -134,10 +134,12 @@ class Transformer:
         self._qkv_heads = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]
 
     def _int4_decode_layers(self, ops: ModuleType | None) -> list[Int4DecodeLayer] | None:
+        if ops is None:
+            return None
         decode = []
         for layer in self.layers:
             linears = (layer.qkv, layer.o, layer.gate_up, layer.down)
-            if ops is None or not all(isinstance(m, PackedInt4Linear) for m in linears):
+            if not all(isinstance(m, PackedInt4Linear) for m in linears):
                 return None
             qkv, o, gate_up, down = (m.pack for m in linears)  # type: ignore[union-attr]
             decode.append(

@@ -1,7 +1,8 @@
-// GGUF Q4_0 / Q4_1 products of one decode token on the CPU: int4_linear (any rows) and a
-// layer's projections in two calls, int4_qkv (RMSNorm, then q, k and v) and int4_tail (the
-// output projection and the residual, RMSNorm, gate and up, SiLU-and-multiply, down and the
-// residual), each in one parallel region.
+// GGUF Q4_0 / Q4_1 weights on the CPU in a packed layout of our own: int4_linear (products of
+// a few rows), int4_dequantize (the bf16 weight, for the bf16 products of prefill chunks), and
+// a decode token's pass through a layer's projections in two calls, int4_qkv (RMSNorm, then
+// q, k and v) and int4_tail (the output projection and the residual, RMSNorm, gate and up,
+// SiLU-and-multiply, down and the residual), each in one parallel region.
 //
 // The weights are laid out by core/int4_layer.py's pack_int4: 16 output rows per vector, a
 // tile of 16 rows stored so that 32 bytes hold a pair of adjacent inputs of each of the 16
