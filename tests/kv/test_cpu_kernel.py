@@ -68,6 +68,23 @@ def test_kernel_equals_one_softmax_over_the_sets(n_kv, group, dim, dtype):
     torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64])
+def test_ragged_runs(rows):
+    """Runs whose rows are not a multiple of the kernel's 16-row scores or 2-row value pairs."""
+    n_kv, group, dim = 3, 3, 64
+    block, _, wk, wv, sk, sv, pk, pv, q0, q1 = _case(n_kv, group, dim, torch.bfloat16, seed=4)
+    heads = torch.arange(n_kv).unsqueeze(1)
+    sets = [
+        (wk, wv, 0, n_kv * dim, rows, (2 * n_kv + heads) * dim),
+        (sk, sv, 1, dim, min(rows, block), heads * block * dim),
+    ]
+    got = cpu_kernel.decode_attention(q0, q1, sets, n_kv)
+    window = wk[2 : 2 + rows].transpose(0, 1).float(), wv[2 : 2 + rows].transpose(0, 1).float()
+    sinks = sk[:, : min(rows, block)].float(), sv[:, : min(rows, block)].float()
+    want, _ = decode_attention([(q0.float(), *window), (q1.float(), *sinks)])
+    torch.testing.assert_close(got.float(), want, atol=1e-2, rtol=1e-2)
+
+
 def test_long_runs_split_across_threads_merge_exactly():
     """One head's keys in runs of very different lengths: the parts the threads take are
     merged by their softmax statistics into the one softmax."""
