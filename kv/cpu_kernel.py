@@ -12,6 +12,7 @@ from __future__ import annotations
 from functools import cache
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -19,7 +20,13 @@ from kvchat.native import build_extension
 
 SOURCES = [
     Path(__file__).with_name("csrc") / name
-    for name in ("bindings.cpp", "decode_attention.cpp", "select_blocks.cpp", "rotate.cpp")
+    for name in (
+        "bindings.cpp",
+        "decode_attention.cpp",
+        "select_blocks.cpp",
+        "rotate.cpp",
+        "decode_layer.cpp",
+    )
 ]
 # How decode_attention's sets are stored (the kernel's Format).
 _FORMATS = {"FP16": 0, "INT8": 1, "INT4": 2}
@@ -78,6 +85,48 @@ def select_blocks(
     scores go to the lower id."""
     return _module().select_blocks(
         query, anchors, first, last, k, anchor_type == "QUEST", mode == "SHARED"
+    )
+
+
+def decode_layer(
+    win_k: torch.Tensor,
+    win_v: torch.Tensor,
+    win_store_k: torch.Tensor,
+    sink_k: torch.Tensor,
+    sink_v: torch.Tensor,
+    pool_k: torch.Tensor,
+    pool_v: torch.Tensor,
+    kv_type: str,
+    slot_unit: int,
+    max_blocks: int,
+    anchors: torch.Tensor,
+    anchor_type: str,
+    mode: str,
+) -> Any:
+    """A layer's decode attention in one call (kv/csrc/decode_layer.cpp) over these buffers:
+    the token-major bf16 window buffers [capacity, n_kv, D] (win_store_k the same tensor when
+    the store keeps rotated keys), the sink blocks, the pools' storage (slot h * max_blocks + b
+    starts at slot * slot_unit: elements for FP16, bytes otherwise) and the anchors.
+
+    Its decode(q, k, v, cos, sin, far_cos, far_sin, col, ws, sinks, known, first, last, budget)
+    rotates q and k (far_cos empty: q_far is the rotated q), writes the key and value to window
+    column col, reads the blocks `known` ([k] or [n_kv, k]; None with budget 0: none) or else
+    the top `budget` of candidates first..last-1, and returns (out [n_heads, 1, D], blocks).
+    """
+    return _module().DecodeLayer(
+        win_k,
+        win_v,
+        win_store_k,
+        sink_k,
+        sink_v,
+        pool_k,
+        pool_v,
+        _FORMATS[kv_type],
+        slot_unit,
+        max_blocks,
+        anchors,
+        anchor_type == "QUEST",
+        mode == "SHARED",
     )
 
 

@@ -198,6 +198,12 @@ class SparseBackend(AttentionBackend):
         self._heads = torch.arange(n_kv_heads).unsqueeze(1)
         # Where each head's sink block starts in the sink buffers, for the CPU decode kernel.
         self._sink_starts = self._heads * self.block * head_dim
+        # bf16 decode steps of the layers that rank their blocks: one C++ call a layer.
+        self._layer_kernels = (
+            [self._layer_kernel(st) for st in self._layers]
+            if self._cpu_kernels and dtype == torch.bfloat16
+            else None
+        )
         self._length = 0
         self._n_new = 0
         self._n_stored = 0  # blocks written to the pools
@@ -213,6 +219,27 @@ class SparseBackend(AttentionBackend):
         self.max_chunk = lc.chunk_size
         if position_mode == "extrapolate":
             self.max_chunk = max(1, min(lc.chunk_size, trained_context - self.window - self.block))
+
+    def _layer_kernel(self, st: _LayerState) -> object:
+        """kv/csrc/decode_layer.cpp's object over this layer's buffers."""
+        kv_type = self.lc.kv_type
+        unit = self.block * self.head_dim if kv_type == "FP16" else st.k_pool.bytes_per_slot
+        win_k = st.win_k.transpose(0, 1)  # the token-major buffer underneath
+        return cpu_kernel.decode_layer(
+            win_k,
+            st.win_v.transpose(0, 1),
+            win_k if st.win_store_k is st.win_k else st.win_store_k.transpose(0, 1),
+            st.sink_k,
+            st.sink_v,
+            st.k_pool.storage,
+            st.v_pool.storage,
+            kv_type,
+            unit,
+            self.max_blocks,
+            st.anchors,
+            self.lc.anchor_type,
+            self.lc.head_select_mode,
+        )
 
     @property
     def length(self) -> int:
@@ -263,6 +290,13 @@ class SparseBackend(AttentionBackend):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         st = self._layers[layer]
         n = self._n_new
+        if (
+            n == 1
+            and self._layer_kernels is not None
+            and layer >= self.lc.dense_layer_num
+            and st.preselected is None
+        ):
+            return self._decode_layer(layer, st, q, k, v)
         start, end = self._length, self._length + n
         qa = self._rotate(q, self._cos, self._sin)
         ka = self._rotate(k, self._cos, self._sin)
@@ -305,6 +339,38 @@ class SparseBackend(AttentionBackend):
             self._record_received(st, qa, ws, o + n)
         if self.lc.preselect_block:
             st.q_last = q_far[:, -_PRESELECT_QUERIES:].float().clone()
+        return out
+
+    def _decode_layer(
+        self, layer: int, st: _LayerState, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor:
+        """attend for a decode token in one C++ call: the steps of the path below (rotations,
+        window writes, selection, _decode_in_place's attention) without a dozen Python-level
+        ops a layer."""
+        o = self._length - self._win_base
+        known, blocks = self._known_selection(layer, st)
+        out, ranked = self._layer_kernels[layer].decode(  # type: ignore[index]
+            q,
+            k,
+            v,
+            self._cos,
+            self._sin,
+            self._far_cos,
+            self._far_sin,
+            o,
+            self._window_start - self._win_base,
+            self._window_start >= _SINK_BLOCKS * self.block,
+            blocks,
+            _SINK_BLOCKS,
+            self._n_anchored,
+            0 if known else self.lc.second_select_num,
+        )
+        if not known:
+            blocks = self._remember(st, ranked, decoding=True)
+        self._store_blocks(st, (self._length + 1) // self.block)
+        self._last_selection[layer] = blocks
+        if blocks is not None and blocks.shape[-1]:
+            self._count_reads(layer, blocks)
         return out
 
     def _attend_tier(
@@ -441,16 +507,26 @@ class SparseBackend(AttentionBackend):
 
     def _select(self, layer: int, st: _LayerState, q_far: torch.Tensor) -> torch.Tensor | None:
         """Block ids this layer reads now: [k] shared by all heads or [n_kv, k] per head."""
+        known, blocks = self._known_selection(layer, st)
+        if known:
+            return blocks
+        decoding = self._n_new == 1
+        query = q_far[:, 0].float() if decoding else q_far.float().mean(dim=1)
+        return self._remember(st, self._rank(st, query), decoding)
+
+    def _known_selection(self, layer: int, st: _LayerState) -> tuple[bool, torch.Tensor | None]:
+        """(True, block ids or None) where this layer's blocks are settled without ranking
+        (none yet, a dense layer, a reused selection); (False, None) where the query must
+        rank the candidates."""
         lc = self.lc
         if self._n_anchored <= _SINK_BLOCKS:
-            return None
+            return True, None
         if layer < lc.dense_layer_num:
-            return torch.arange(_SINK_BLOCKS, self._n_anchored)
+            return True, torch.arange(_SINK_BLOCKS, self._n_anchored)
         if (layer - lc.dense_layer_num) % lc.layer_step:
             st.selection = self._layers[layer - 1].selection
-            return st.selection
-        decoding = self._n_new == 1
-        if decoding and st.selection is not None and st.selection_age < lc.token_step:
+            return True, st.selection
+        if self._n_new == 1 and st.selection is not None and st.selection_age < lc.token_step:
             st.selection_age += 1
             # Blocks that left the window since the selection was made join it: otherwise
             # they would be read by no part of the attention until the next selection.
@@ -460,15 +536,18 @@ class SparseBackend(AttentionBackend):
                     fresh = fresh.expand(self.n_kv, -1)
                 st.selection = torch.cat([st.selection, fresh], dim=-1)
                 st.selection_upto = self._n_anchored
-            return st.selection
+            return True, st.selection
         if lc.second_select_num == 0 or self._n_candidates(st) == 0:
-            return None
-        query = q_far[:, 0].float() if decoding else q_far.float().mean(dim=1)
-        st.selection = self._rank(st, query)
+            return True, None
+        return False, None
+
+    def _remember(self, st: _LayerState, blocks: torch.Tensor, decoding: bool) -> torch.Tensor:
+        """Keep a ranking as the layer's selection, for reuse by the next tokens and layers."""
+        st.selection = blocks
         st.selection_upto = self._n_anchored
         # A chunk's selection (from its mean query) is never reused for decode queries.
-        st.selection_age = 1 if decoding else lc.token_step
-        return st.selection
+        st.selection_age = 1 if decoding else self.lc.token_step
+        return blocks
 
     def _rank(self, st: _LayerState, query: torch.Tensor) -> torch.Tensor:
         """The second_select_num candidates that score highest for `query` [n_heads, D]."""
