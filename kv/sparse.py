@@ -23,7 +23,8 @@ Compute, by the ops kv/kernels.py picks for the device:
   with the torch attention; the device block cache only counts what a GPU would copy. Where
   the C++ kernels (kv/cpu_kernel.py) build, a decode step reads the window, the sinks and FP16
   blocks in place (quantized blocks from the gather buffer) in one pass, and selection
-  scores and ranks the candidates in one pass too.
+  scores and ranks the candidates in one pass too. In bf16 a decode step's layer is one C++
+  call (kv/csrc/decode_layer.cpp: rotations, window write, selection, attention).
 - Triton (CUDA; the CPU under TRITON_INTERPRET=1, for tests): window, sinks, anchors and
   received attention live on the device, the store stays in host DRAM, and the selected
   blocks are copied into a DeviceBlockTier (kv/cuda_tier.py), from whose slots one
@@ -626,7 +627,8 @@ class SparseBackend(AttentionBackend):
             starts = (self._head_base + _SINK_BLOCKS) * b * dim
             sets.append((pool_k, pool_v, 1, dim, rows, starts))
         elif blocks is not None and blocks.shape[-1]:
-            slots = self._count_reads(layer, blocks)
+            self._count_reads(layer, blocks)
+            slots = self._slots(blocks)
             # Quantized blocks are read where they lie too (0.53x / 0.31x the bytes of FP16),
             # from byte offsets, and dequantized in the kernel.
             kv_type = self.lc.kv_type
@@ -639,16 +641,18 @@ class SparseBackend(AttentionBackend):
         quantized blocks that selection picked) rather than from the gather buffer."""
         return self.lc.kv_type == "FP16" or layer >= self.lc.dense_layer_num
 
-    def _count_reads(self, layer: int, blocks: torch.Tensor) -> torch.Tensor:
-        """Store slots [n_kv, k] of `blocks` ([k] shared or [n_kv, k]), counted by the device
-        cache as read by `layer` now."""
-        per_head = blocks if blocks.dim() == 2 else blocks.unsqueeze(0).expand(self.n_kv, -1)
-        selected = self._head_base + per_head
+    def _count_reads(self, layer: int, blocks: torch.Tensor) -> None:
+        """Count with the device cache that `layer` reads `blocks` ([k] shared or [n_kv, k])
+        now."""
         # SHARED: one selection for every head, so its block ids are the cache's keys (each
         # the group of its heads' slots); SEPARATE: the slots themselves.
-        keys = blocks if self.lc.head_select_mode == "SHARED" else selected
+        keys = blocks if self.lc.head_select_mode == "SHARED" else self._head_base + blocks
         self.device_cache.touch(layer, keys.reshape(-1).tolist())
-        return selected
+
+    def _slots(self, blocks: torch.Tensor) -> torch.Tensor:
+        """Store slots [n_kv, k] of `blocks` ([k] shared or [n_kv, k])."""
+        per_head = blocks if blocks.dim() == 2 else blocks.unsqueeze(0).expand(self.n_kv, -1)
+        return self._head_base + per_head
 
     def _retrieve(
         self, layer: int, st: _LayerState, q_far: torch.Tensor, sinks: bool
@@ -669,7 +673,8 @@ class SparseBackend(AttentionBackend):
             # of what may be the whole context); the sinks are the run's first block.
             first, last = _SINK_BLOCKS - lead, self._n_anchored
             return st.k_pool.span(self.n_kv, first, last), st.v_pool.span(self.n_kv, first, last)
-        selected = self._count_reads(layer, blocks)
+        self._count_reads(layer, blocks)
+        selected = self._slots(blocks)
         # Each head's sink block (block 0) leads its run; _head_base is exactly those slots.
         slots = (torch.cat([self._head_base, selected], dim=1) if lead else selected).reshape(-1)
         gk, gv = self._gather_buffer(len(slots))
