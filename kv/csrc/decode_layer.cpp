@@ -12,20 +12,6 @@
 #include <cstring>
 #include <optional>
 
-DecodeLayer::DecodeLayer(torch::Tensor win_k, torch::Tensor win_v, torch::Tensor win_store_k,
-                         torch::Tensor sink_k, torch::Tensor sink_v, torch::Tensor pool_k,
-                         torch::Tensor pool_v, int64_t format, int64_t slot_unit,
-                         int64_t max_blocks, torch::Tensor anchors, bool quest, bool shared)
-    : win_k_(win_k), win_v_(win_v), win_store_k_(win_store_k), sink_k_(sink_k), sink_v_(sink_v),
-      pool_k_(pool_k), pool_v_(pool_v), anchors_(anchors), format_(format),
-      slot_unit_(slot_unit), max_blocks_(max_blocks), quest_(quest), shared_(shared) {
-  for (const auto* t : {&win_k_, &win_v_, &win_store_k_}) {
-    TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == at::kBFloat16,
-                "window buffers: contiguous bf16 [capacity, n_kv, D]");
-  }
-  TORCH_CHECK(sink_k_.is_contiguous() && sink_v_.is_contiguous(), "sink buffers: contiguous");
-}
-
 namespace {
 
 // Row `col` of a token-major [capacity, n_kv, D] buffer <- x [n_kv, 1, D] (any row strides).
@@ -48,6 +34,21 @@ torch::Tensor head_starts(int64_t n_kv, int64_t row, int64_t rows, int64_t D, bo
 }
 
 }  // namespace
+
+DecodeLayer::DecodeLayer(torch::Tensor win_k, torch::Tensor win_v, torch::Tensor win_store_k,
+                         torch::Tensor sink_k, torch::Tensor sink_v, torch::Tensor pool_k,
+                         torch::Tensor pool_v, int64_t format, int64_t slot_unit,
+                         int64_t max_blocks, torch::Tensor anchors, bool quest, bool shared)
+    : win_k_(win_k), win_v_(win_v), win_store_k_(win_store_k), sink_k_(sink_k), sink_v_(sink_v),
+      pool_k_(pool_k), pool_v_(pool_v), anchors_(anchors), format_(format),
+      slot_unit_(slot_unit), max_blocks_(max_blocks), quest_(quest), shared_(shared) {
+  for (const auto* t : {&win_k_, &win_v_, &win_store_k_}) {
+    TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == at::kBFloat16,
+                "window buffers: contiguous bf16 [capacity, n_kv, D]");
+  }
+  TORCH_CHECK(sink_k_.is_contiguous() && sink_v_.is_contiguous(), "sink buffers: contiguous");
+  sink_starts_ = head_starts(sink_k_.size(0), 0, sink_k_.size(1), sink_k_.size(2), false);
+}
 
 std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::decode(
     torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
@@ -76,7 +77,7 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::decode(
     const int64_t block = sink_k_.size(1);
     ks.push_back(sink_k_);
     vs.push_back(sink_v_);
-    starts.push_back(head_starts(n_kv, 0, block, D, false));
+    starts.push_back(sink_starts_);
     qids.push_back(1);
     strides.push_back(D);
     rows.push_back(block);
@@ -99,7 +100,7 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::decode(
     starts.push_back(runs);
     qids.push_back(1);
     strides.push_back(D);
-    rows.push_back(sink_k_.size(1));
+    rows.push_back(sink_k_.size(1));  // a block's rows, as the sink block's
     formats.push_back(format_);
   } else if (!blocks.defined()) {
     blocks = torch::empty({0}, torch::kLong);

@@ -36,6 +36,7 @@ class DecodeLayer {
 
  private:
   torch::Tensor win_k_, win_v_, win_store_k_, sink_k_, sink_v_, pool_k_, pool_v_, anchors_;
+  torch::Tensor sink_starts_;  // each head's first sink row in the sink buffers
   int64_t format_, slot_unit_, max_blocks_;
   bool quest_, shared_;
 };
