@@ -288,7 +288,6 @@ void accumulate_dpbf16(const float* p, int G, const uint16_t* vb, int64_t stride
 }
 #endif
 
-
 #if KVCHAT_DPBF16
 // exp(x) for 16 values at once (Cephes' expf: a degree-6 polynomial on x - n ln 2, times 2^n;
 // within 2 ulp). GCC vectorises std::exp in a loop (through glibc's libmvec) or not depending on
@@ -310,12 +309,17 @@ inline __m512 exp16(__m512 x) {
   return _mm512_scalef_ps(p, n);
 }
 
+// Lanes 0 .. min(n, 16) - 1.
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+}
+
 // The tile's softmax numerators in place: s[t] = exp(s[t] - mx) rounded to bf16; their sum.
 inline float exp_bf16_sum(float* s, int64_t n, float mx) {
   const __m512 m = _mm512_set1_ps(mx);
   __m512 sum = _mm512_setzero_ps();
   for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 k = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __mmask16 k = first_lanes(n - t);
     const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m));
     // Round to nearest even bf16 and back (vcvtneps2bf16 flushes subnormals: those
     // probabilities are below any bf16 output's resolution anyway).
@@ -330,7 +334,7 @@ inline float exp_bf16_sum(float* s, int64_t n, float mx) {
 inline float max_of(const float* s, int64_t n, float start) {
   __m512 m = _mm512_set1_ps(start);
   for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 k = n - t >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __mmask16 k = first_lanes(n - t);
     m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, s + t));
   }
   return _mm512_reduce_max_ps(m);
