@@ -257,6 +257,11 @@ class SparseBackend(AttentionBackend):
         self.lc = replace(self.lc, **{key: getattr(settings, key) for key in RETUNABLE})
         self.device_cache.resize(self._device_slots())
 
+    def _has_sinks(self, window_start: int) -> bool:
+        """Whether the sink block lies before a window starting at `window_start`, so queries
+        read it apart from the window."""
+        return window_start >= _SINK_BLOCKS * self.block
+
     def _window_start_at(self, length: int) -> int:
         """First token of the local window for queries after `length` tokens: the block
         boundary at or before length - local_windows_len."""
@@ -314,7 +319,7 @@ class SparseBackend(AttentionBackend):
             qa if self.position_mode == "native" else self._rotate(q, self._far_cos, self._far_sin)
         )
         ws = self._window_start - self._win_base
-        sinks = self._window_start >= _SINK_BLOCKS * self.block
+        sinks = self._has_sinks(self._window_start)
         if n == 1 and self._cpu_kernels:
             return self._decode_in_place(layer, st, qa, q_far, ws, o + 1, sinks)
         if self.tier is not None:
@@ -360,7 +365,7 @@ class SparseBackend(AttentionBackend):
             self._far_sin,
             o,
             self._window_start - self._win_base,
-            self._window_start >= _SINK_BLOCKS * self.block,
+            self._has_sinks(self._window_start),
             blocks,
             _SINK_BLOCKS,
             self._n_anchored,
@@ -760,7 +765,7 @@ class SparseBackend(AttentionBackend):
         window_start = self._window_start_at(self._length)
         full = 2 * self.n_kv * self.head_dim * self.dtype.itemsize  # K and V of one token
         window = (self._length + 1 - window_start) * full
-        sinks = _SINK_BLOCKS if window_start >= _SINK_BLOCKS * self.block else 0
+        sinks = _SINK_BLOCKS if self._has_sinks(window_start) else 0
         candidates = max(window_start // self.block - _SINK_BLOCKS, 0)
         slot = self._layers[0].k_pool.bytes_per_slot
         anchor = self._layers[0].anchors[0].nbytes
@@ -791,7 +796,7 @@ class SparseBackend(AttentionBackend):
         lc = self.lc
         first = self._layers[0]
         window_start = self._window_start_at(self._length)
-        sinks = self.block if window_start >= _SINK_BLOCKS * self.block else 0
+        sinks = self.block if self._has_sinks(window_start) else 0
         resident = self._length - window_start + sinks
         per_token_full = 2 * self.n_kv * self.head_dim * self.dtype.itemsize
         # Besides window and sinks: the tier's slots, or the host path's gather buffers.
