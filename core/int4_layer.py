@@ -22,10 +22,10 @@ from .weights import GROUP_SIZE, Int4Groups
 @dataclass(frozen=True)
 class Int4Pack:
     """A weight [N, K] in int4_layer.cpp's layout. Tile t holds rows 16 t .. 16 t + 15; its
-    group g is 8 chunks of 32 bytes, and byte 2 r + e of chunk c holds, for row r, input
-    32 g + 4 c + e in its low nibble and 32 g + 4 c + 2 + e in its high one: widened to 16-bit
-    words, a chunk's low (high) nibbles are 16 rows' pairs of adjacent inputs, which one
-    vdpbf16ps multiplies by that (broadcast) input pair. scale and minimum are the file's
+    group g is 4 chunks of 64 bytes, and byte 4 r + j of chunk c holds, for row r, input
+    32 g + 8 c + j in its low nibble and 32 g + 8 c + 4 + j in its high one: a chunk's low
+    (high) nibbles are 16 rows' 4 adjacent inputs, one row to a 32-bit lane, which one
+    vpdpbusd multiplies by those 4 (broadcast) int8 inputs. scale and minimum are the file's
     fp16 values, [N / 16, K / 32, 16]."""
 
     packed: torch.Tensor  # uint8 [N / 16, 8 K]
@@ -56,8 +56,8 @@ def pack_int4(groups: Int4Groups) -> Int4Pack | None:
     if not (torch.equal(half_scale.float(), scale) and torch.equal(half_minimum.float(), minimum)):
         return None
     tiles, n_groups = n // 16, k // GROUP_SIZE
-    # [tile, row, group, chunk, low/high, e] -> [tile, group, chunk, row, e, low/high]
-    q = q.view(tiles, 16, n_groups, 8, 2, 2).permute(0, 2, 3, 1, 5, 4)
+    # [tile, row, group, chunk, low/high, j] -> [tile, group, chunk, row, j, low/high]
+    q = q.view(tiles, 16, n_groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
     packed = (q[..., 0] | (q[..., 1] << 4)).reshape(tiles, n_groups * 256).contiguous()
 
     def per_tile(t: torch.Tensor) -> torch.Tensor:

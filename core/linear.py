@@ -2,7 +2,7 @@
 
 GGUF Q4_0/Q4_1 weights are exact 4-bit integers in groups of 32, so on the CPU with bf16
 activations they run as int4 and read a quarter of the bytes: through core/csrc/int4_layer.cpp
-where it has its AVX512-BF16 path, else through PyTorch's int4 group-32 kernel. Every other
+where it has its AVX512-BF16 and VNNI path, else through PyTorch's int4 group-32 kernel. Every other
 case is a plain matrix in the compute dtype.
 """
 
@@ -84,13 +84,14 @@ class Int4Linear:
 
 class PackedInt4Linear:
     """y = x @ W.T for the same int4 weights in core/csrc/int4_layer.cpp's layout (`ops`, where
-    it has its AVX512-BF16 path): rows up to a few dozen through its int4 product (16 output
-    rows per vector; a decode step's four products a layer also run fused, see
+    it has its AVX512-BF16 and VNNI path): rows up to a few dozen through its int4 product (16
+    output rows per vector; a decode step's four products a layer also run fused, see
     core/int4_layer.py), more rows (prefill chunks) through a bf16 matrix product with the
     weight unpacked for the call: torch's int4 kernel took ~6x longer for a 2048-row chunk
     here (SmolLM2's gate_up: 105 ms; unpacking 1.5 ms, the bf16 product 15 ms). The unpacked
-    weight is q * scale + minimum rounded to bf16; the int4 product multiplies exactly and
-    sums in fp32."""
+    weight is q * scale + minimum rounded to bf16; the int4 product rounds each input row to
+    16-bit integers per group of 32 (within 1/65024 of the group's largest value), multiplies
+    exactly and sums in int32, then in fp32."""
 
     # Rows from which unpacking the weight and a bf16 product beat the int4 product (gate_up
     # on the Xeon: 1.67 against 1.98 ms at 32 rows, 2.52 against 1.89 at 48; down alike).

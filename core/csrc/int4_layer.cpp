@@ -5,12 +5,23 @@
 // SiLU-and-multiply, down and the residual), each in one parallel region.
 //
 // The weights are laid out by core/int4_layer.py's pack_int4: 16 output rows per vector, a
-// tile of 16 rows stored so that 32 bytes hold a pair of adjacent inputs of each of the 16
-// rows for two input pairs (low and high nibbles). A nibble q becomes the bf16 1 + q/16 by
-// bit operations alone, so one vdpbf16ps multiplies 16 rows by a (broadcast) input pair
-// exactly and sums in fp32: D = sum (1 + q/16) x over a group of 32, which adds
-// 16 scale (D - X) + minimum X to each row, X = sum x. The scales stay the file's fp16 values
-// (torch's int4 kernel rounds them to bf16).
+// tile of 16 rows stored so that 64 bytes hold 8 adjacent inputs of each of the 16 rows (4 in
+// the low nibbles, the next 4 in the high ones, a row's 4 in one 32-bit lane). The input row
+// is quantized per group of 32 to 16-bit integers, x ~ dx (256 h + l) with dx = max |x| /
+// 32512 and h, l int8, so vpdpbusd multiplies 16 rows' unsigned nibbles q by 4 (broadcast)
+// inputs' h, and again by their l, summing exactly in int32: D = 256 sum q h + sum q l over a
+// group (under 2^24, so exact in fp32 too), which adds scale dx D + minimum X to each row,
+// X = sum x in fp32. The scales stay the file's fp16 values (torch's int4 kernel rounds them
+// to bf16).
+//
+// Why integer inputs: a nibble made a bf16 (the layout before) took six vector ops for 64
+// products where the two vpdpbusd take five for 128, so the bf16 kernel was bound by its
+// arithmetic even with the weights in the L3 (30 layers' tails: 2.8 ms warm, 3.9 ms from
+// DRAM; 1.8 and 3.0 ms now). Each input is within dx / 2 of its value, 1/65024 of its group's
+// largest, where bf16 inputs were within 2^-9 of their own: a decode step is closer to the
+// exact weights' than before. One int8 pass alone (llama.cpp's Q8 inputs, 1/254 of the largest)
+// was ~0.2 ms faster and sixteen times further from the fp32 engine's next-token distribution
+// (mean KL 0.016 against 0.001 over 280 tokens of this README).
 //
 // Why fused: a decode step ran torch's int4 kernel 120 times (four products a layer), each
 // call with its Python, its dispatch and its own fork and join of the two threads, and the
@@ -25,21 +36,24 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <utility>
 #include <vector>
 
 #include "bf16.h"
 #include "decoder_ops.h"
 
-#if defined(__AVX512BF16__)
+// AVX512-BF16 for the bf16 products of prefill chunks (core/linear.py), VNNI for decode's.
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
 #include <immintrin.h>
-#define KVCHAT_INT4_DPBF16 1
+#define KVCHAT_INT4_VNNI 1
 #else
-#define KVCHAT_INT4_DPBF16 0
+#define KVCHAT_INT4_VNNI 0
 #endif
 
 namespace kvchat {
-const bool int4_vectorized = KVCHAT_INT4_DPBF16;
+const bool int4_vectorized = KVCHAT_INT4_VNNI;
 }  // namespace kvchat
 
 namespace {
@@ -84,45 +98,88 @@ const uint16_t* bf16_data(const torch::Tensor& t, int64_t numel, const char* wha
   return reinterpret_cast<const uint16_t*>(t.data_ptr());
 }
 
-#if KVCHAT_INT4_DPBF16
-// Output rows 16 t .. 16 (t + NT) for the input row xr (group sums xs), NT tiles side by side:
-// one tile's chain of vdpbf16ps waits on its latency, two keep the core busy (a one-thread
-// 33 MB product: 6.0 -> 11.5 GB/s; on two threads both read at the memory's ~20 GB/s).
+// An input row quantized per group of 32 for the products: x ~ scale (256 high + low), the
+// halves int8, and each group's exact sum X in fp32 (for the minimums).
+struct QuantRow {
+  const int8_t* high;
+  const int8_t* low;
+  const float* scale;
+  const float* sums;
+};
+
+// Storage for a QuantRow of K inputs.
+struct QuantBuffer {
+  std::vector<int8_t> high, low;
+  std::vector<float> scale, sums;
+  explicit QuantBuffer(int64_t K) : high(K), low(K), scale(K / 32), sums(K / 32) {}
+  QuantRow row() const { return {high.data(), low.data(), scale.data(), sums.data()}; }
+};
+
+// Groups [0, K / 32) of the bf16 row x into b from group g0 on (one definition: every caller
+// quantizes alike, so the fused calls equal the single ones).
+__attribute__((noinline)) void quantize_groups(const uint16_t* x, int64_t K, QuantBuffer& b,
+                                               int64_t g0 = 0) {
+  for (int64_t g = 0; g < K / 32; ++g) {
+    float v[32], amax = 0.f, sum = 0.f;
+    for (int i = 0; i < 32; ++i) {
+      v[i] = bf16_to_float(x[32 * g + i]);
+      amax = std::max(amax, std::fabs(v[i]));
+      sum += v[i];
+    }
+    const float inv = amax > 0.f ? 32512.f / amax : 0.f;
+    for (int i = 0; i < 32; ++i) {
+      const auto x16 = static_cast<int32_t>(std::nearbyint(v[i] * inv));  // |x16| <= 127 * 256
+      const int32_t high = (x16 + 128) >> 8;  // floor: low = x16 - 256 high is in [-128, 127]
+      b.high[32 * (g0 + g) + i] = static_cast<int8_t>(high);
+      b.low[32 * (g0 + g) + i] = static_cast<int8_t>(x16 - 256 * high);
+    }
+    b.scale[g0 + g] = amax / 32512.f;
+    b.sums[g0 + g] = sum;
+  }
+}
+
+#if KVCHAT_INT4_VNNI
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// Output rows 16 t .. 16 (t + NT) for the input row x, NT tiles side by side: one tile's chain
+// of vpdpbusd waits on its latency, two keep the core busy.
 template <int NT>
-void int4_tiles(const uint8_t* packed, const uint16_t* scale, const uint16_t* minimum,
-                const uint16_t* xr, const float* xs, int64_t K, int64_t t, uint16_t* out) {
-  const int64_t G = K / 32;
-  const auto* pairs = reinterpret_cast<const int32_t*>(xr);
-  const __m512i low = _mm512_set1_epi16(0x78), one = _mm512_set1_epi16(0x3F80);
+void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out) {
+  const int64_t K = m.K, G = K / 32;
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[NT];
   for (int i = 0; i < NT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512 d0[NT], d1[NT];
-    for (int i = 0; i < NT; ++i) d0[i] = d1[i] = _mm512_setzero_ps();
-#pragma GCC unroll 8
-    for (int c = 0; c < 8; ++c) {
-      const __m512bh x0 = (__m512bh)_mm512_set1_epi32(pairs[16 * g + 2 * c]);
-      const __m512bh x1 = (__m512bh)_mm512_set1_epi32(pairs[16 * g + 2 * c + 1]);
+    __m512i high[NT], low[NT];
+    for (int i = 0; i < NT; ++i) high[i] = low[i] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const int64_t k = 32 * g + 8 * c;
+      const __m512i h0 = broadcast4(x.high + k), h1 = broadcast4(x.high + k + 4);
+      const __m512i l0 = broadcast4(x.low + k), l1 = broadcast4(x.low + k + 4);
 #pragma GCC unroll 2
       for (int i = 0; i < NT; ++i) {
-        const uint8_t* chunk = packed + (t + i) * 8 * K + g * 256 + 32 * c;
-        const __m512i w =
-            _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk)));
-        const __m512i lo = _mm512_or_si512(_mm512_and_si512(_mm512_slli_epi16(w, 3), low), one);
-        const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(w, 1), low), one);
-        d0[i] = _mm512_dpbf16_ps(d0[i], (__m512bh)lo, x0);
-        d1[i] = _mm512_dpbf16_ps(d1[i], (__m512bh)hi, x1);
+        const __m512i w = _mm512_loadu_si512(m.packed + (t + i) * 8 * K + g * 256 + 64 * c);
+        const __m512i q0 = _mm512_and_si512(w, nibble);
+        const __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+        high[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(high[i], q0, h0), q1, h1);
+        low[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(low[i], q0, l0), q1, l1);
       }
     }
-    const __m512 sum = _mm512_set1_ps(xs[g]);
+    const __m512 dx = _mm512_set1_ps(x.scale[g]), sum = _mm512_set1_ps(x.sums[g]);
     for (int i = 0; i < NT; ++i) {
       const int64_t at = ((t + i) * G + g) * 16;
-      const __m512 s16 = _mm512_mul_ps(
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scale + at))),
-          _mm512_set1_ps(16.f));
+      const __m512 s =
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.scale + at)));
       const __m512 mn =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(minimum + at)));
-      acc[i] = _mm512_fmadd_ps(s16, _mm512_sub_ps(_mm512_add_ps(d0[i], d1[i]), sum), acc[i]);
+          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.minimum + at)));
+      const __m512 d =
+          _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high[i], 8), low[i]));
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s, dx), d, acc[i]);
       acc[i] = _mm512_fmadd_ps(mn, sum, acc[i]);
     }
   }
@@ -131,48 +188,38 @@ void int4_tiles(const uint8_t* packed, const uint16_t* scale, const uint16_t* mi
                         (__m256i)_mm512_cvtneps_pbh(acc[i]));
 }
 #else
-// The same products one value at a time (CPUs without AVX512-BF16; core/linear.py uses
-// torch's kernel there, this keeps the op correct everywhere).
+// The same products one value at a time (CPUs without AVX512-BF16 and VNNI; core/linear.py
+// uses torch's kernel there, this keeps the op correct everywhere).
 template <int NT>
-void int4_tiles(const uint8_t* packed, const uint16_t* scale, const uint16_t* minimum,
-                const uint16_t* xr, const float* xs, int64_t K, int64_t t, uint16_t* out) {
-  const int64_t G = K / 32;
+void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out) {
+  const int64_t K = m.K, G = K / 32;
   for (int64_t row = 16 * t; row < 16 * (t + NT); ++row) {
     const int64_t tile = row / 16, r = row % 16;
     float acc = 0.f;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t at = (tile * G + g) * 16 + r;
-      const float s = static_cast<float>(c10::Half(scale[at], c10::Half::from_bits()));
-      const float mn = static_cast<float>(c10::Half(minimum[at], c10::Half::from_bits()));
-      float dot = 0.f;
-      for (int c = 0; c < 8; ++c)
-        for (int e = 0; e < 2; ++e) {
-          const uint8_t b = packed[tile * 8 * K + g * 256 + 32 * c + 2 * r + e];
-          dot += static_cast<float>(b & 15) * bf16_to_float(xr[32 * g + 4 * c + e]) +
-                 static_cast<float>(b >> 4) * bf16_to_float(xr[32 * g + 4 * c + 2 + e]);
+      const float s = static_cast<float>(c10::Half(m.scale[at], c10::Half::from_bits()));
+      const float mn = static_cast<float>(c10::Half(m.minimum[at], c10::Half::from_bits()));
+      int32_t dot = 0;
+      for (int c = 0; c < 4; ++c)
+        for (int j = 0; j < 4; ++j) {
+          const uint8_t b = m.packed[tile * 8 * K + g * 256 + 64 * c + 4 * r + j];
+          const int64_t k = 32 * g + 8 * c + j;
+          dot += (b & 15) * (256 * x.high[k] + x.low[k]) +
+                 (b >> 4) * (256 * x.high[k + 4] + x.low[k + 4]);
         }
-      acc += s * dot + mn * xs[g];
+      acc += s * x.scale[g] * static_cast<float>(dot) + mn * x.sums[g];
     }
     out[row] = float_to_bf16(acc);
   }
 }
 #endif
 
-// Output tiles [t0, t1) of m for the input row xr: two at a time, then an odd last one.
-void int4_range(const Int4Matrix& m, const uint16_t* xr, const float* sums, int64_t t0,
-                int64_t t1, uint16_t* out) {
+// Output tiles [t0, t1) of m for the input row x: two at a time, then an odd last one.
+void int4_range(const Int4Matrix& m, const QuantRow& x, int64_t t0, int64_t t1, uint16_t* out) {
   int64_t t = t0;
-  for (; t + 1 < t1; t += 2) int4_tiles<2>(m.packed, m.scale, m.minimum, xr, sums, m.K, t, out);
-  if (t < t1) int4_tiles<1>(m.packed, m.scale, m.minimum, xr, sums, m.K, t, out);
-}
-
-// The sums of K / 32 groups of 32 inputs in fp32 (one definition: every caller sums alike).
-__attribute__((noinline)) void group_sums(const uint16_t* x, int64_t K, float* out) {
-  for (int64_t g = 0; g < K / 32; ++g) {
-    float s = 0.f;
-    for (int i = 0; i < 32; ++i) s += bf16_to_float(x[32 * g + i]);
-    out[g] = s;
-  }
+  for (; t + 1 < t1; t += 2) int4_tiles<2>(m, x, t, out);
+  if (t < t1) int4_tiles<1>(m, x, t, out);
 }
 
 // Thread tid's share of n tiles among nth threads, in whole pairs (two tiles are 32 rows: one
@@ -203,14 +250,17 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const int64_t N = 16 * m.T;
   auto out = torch::empty({M, N}, x.options());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  std::vector<float> sums(M * (K / 32));
-  for (int64_t r = 0; r < M; ++r) group_sums(xp + r * K, K, sums.data() + r * (K / 32));
+  std::vector<QuantBuffer> rows;
+  rows.reserve(M);
+  for (int64_t r = 0; r < M; ++r) {
+    rows.emplace_back(K);
+    quantize_groups(xp + r * K, K, rows.back());
+  }
   const int nth = at::get_num_threads();
 #pragma omp parallel num_threads(nth)
   {
     const auto [lo, hi] = share(m.T, omp_get_thread_num(), omp_get_num_threads());
-    for (int64_t r = 0; r < M; ++r)
-      int4_range(m, xp + r * K, sums.data() + r * (K / 32), lo, hi, op + r * N);
+    for (int64_t r = 0; r < M; ++r) int4_range(m, rows[r].row(), lo, hi, op + r * N);
   }
   return out;
 }
@@ -235,11 +285,11 @@ torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scale, torch::
           const float s = static_cast<float>(c10::Half(m.scale[at], c10::Half::from_bits()));
           const float mn = static_cast<float>(c10::Half(m.minimum[at], c10::Half::from_bits()));
           uint16_t* row = op + (16 * t + r) * K + 32 * g;
-          for (int c = 0; c < 8; ++c)
-            for (int e = 0; e < 2; ++e) {
-              const uint8_t b = m.packed[t * 8 * K + g * 256 + 32 * c + 2 * r + e];
-              row[4 * c + e] = float_to_bf16(static_cast<float>(b & 15) * s + mn);
-              row[4 * c + 2 + e] = float_to_bf16(static_cast<float>(b >> 4) * s + mn);
+          for (int c = 0; c < 4; ++c)
+            for (int j = 0; j < 4; ++j) {
+              const uint8_t b = m.packed[t * 8 * K + g * 256 + 64 * c + 4 * r + j];
+              row[8 * c + j] = float_to_bf16(static_cast<float>(b & 15) * s + mn);
+              row[8 * c + 4 + j] = float_to_bf16(static_cast<float>(b >> 4) * s + mn);
             }
         }
   });
@@ -257,16 +307,16 @@ torch::Tensor int4_qkv(torch::Tensor x, torch::Tensor norm_weight, double eps,
   const int64_t N = 16 * m.T;
   const uint16_t* bp = bias.has_value() ? bf16_data(*bias, N, "int4_qkv: bias") : nullptr;
   std::vector<uint16_t> h(H);
-  std::vector<float> sums(H / 32);
+  QuantBuffer hq(H);
   kvchat::norm_row(xp, wp, H, static_cast<float>(eps), h.data());
-  group_sums(h.data(), H, sums.data());
+  quantize_groups(h.data(), H, hq);
   auto out = torch::empty({1, N}, x.options());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   const int nth = at::get_num_threads();
 #pragma omp parallel num_threads(nth)
   {
     const auto [lo, hi] = share(m.T, omp_get_thread_num(), omp_get_num_threads());
-    int4_range(m, h.data(), sums.data(), lo, hi, op);
+    int4_range(m, hq.row(), lo, hi, op);
     if (bp != nullptr) add_rows(op, bp, 16 * lo, 16 * hi, op);
   }
   return out;
@@ -289,8 +339,8 @@ torch::Tensor int4_tail(torch::Tensor x, torch::Tensor attn, std::vector<torch::
   TORCH_CHECK(16 * mo.T == H && mg.T % 2 == 0, "int4_tail: o must give H rows, gate_up 2 I");
   const Int4Matrix md = int4_matrix(down, I, "int4_tail: down");
   TORCH_CHECK(16 * md.T == H, "int4_tail: down must give H rows");
-  std::vector<float> attn_sums(A / 32), act_sums(I / 32);
-  group_sums(ap, A, attn_sums.data());
+  QuantBuffer attn_q(A), act_q(I);
+  quantize_groups(ap, A, attn_q);
   std::vector<uint16_t> y(H), proj(H), gu(2 * I), act(I);
   auto out = torch::empty({1, H}, x.options());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -300,26 +350,26 @@ torch::Tensor int4_tail(torch::Tensor x, torch::Tensor attn, std::vector<torch::
   {
     const int tid = omp_get_thread_num(), n = omp_get_num_threads();
     const auto [o_lo, o_hi] = share(mo.T, tid, n);
-    int4_range(mo, ap, attn_sums.data(), o_lo, o_hi, proj.data());
+    int4_range(mo, attn_q.row(), o_lo, o_hi, proj.data());
     add_rows(xp, proj.data(), 16 * o_lo, 16 * o_hi, y.data());
 #pragma omp barrier
     // Every thread normalises the whole row itself (H values, ~1 us) rather than waiting at
     // one more barrier for one thread to do it.
     std::vector<uint16_t> h(H);
-    std::vector<float> h_sums(H / 32);
+    QuantBuffer hq(H);
     kvchat::norm_row(y.data(), wp, H, e, h.data());
-    group_sums(h.data(), H, h_sums.data());
+    quantize_groups(h.data(), H, hq);
     const int64_t half = mg.T / 2;
     const auto [g_lo, g_hi] = share(half, tid, n);
-    int4_range(mg, h.data(), h_sums.data(), g_lo, g_hi, gu.data());
-    int4_range(mg, h.data(), h_sums.data(), half + g_lo, half + g_hi, gu.data());
+    int4_range(mg, hq.row(), g_lo, g_hi, gu.data());
+    int4_range(mg, hq.row(), half + g_lo, half + g_hi, gu.data());
     kvchat::silu_mul_row(gu.data() + 16 * g_lo, gu.data() + I + 16 * g_lo, 16 * (g_hi - g_lo),
                          act.data() + 16 * g_lo);
     // Whole pairs of tiles: this thread's rows are whole groups of down's inputs.
-    group_sums(act.data() + 16 * g_lo, 16 * (g_hi - g_lo), act_sums.data() + g_lo / 2);
+    quantize_groups(act.data() + 16 * g_lo, 16 * (g_hi - g_lo), act_q, g_lo / 2);
 #pragma omp barrier
     const auto [d_lo, d_hi] = share(md.T, tid, n);
-    int4_range(md, act.data(), act_sums.data(), d_lo, d_hi, proj.data());
+    int4_range(md, act_q.row(), d_lo, d_hi, proj.data());
     add_rows(y.data(), proj.data(), 16 * d_lo, 16 * d_hi, op);
   }
   return out;
