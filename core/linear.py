@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .int4_layer import Int4Pack, pack_int4
-from .weights import Int4Groups, Int8Groups
+from .weights import GROUP_SIZE, Int4Groups, Int8Groups
 
 WEIGHT_FORMATS = ("dense", "int4")
 _INT4_GROUP = 32
@@ -112,25 +112,46 @@ class PackedInt4Linear:
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
 
+def pack_int8(groups: Int8Groups) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 weight [N, K] in decoder_ops.cpp's int8_linear layout: (packed uint8 [N' / 16,
+    16 K], scale fp32 [N' / 16, K / 32, 16]), N' = N rounded up to 16 with zero rows. Tile t's
+    group g is 8 chunks of 64 bytes; byte 4 r + j of chunk c holds row 16 t + r's value for
+    input 32 g + 4 c + j plus 128 (an unsigned byte, as vpdpbusd multiplies): a chunk is 16
+    rows' 4 adjacent inputs, one row to a 32-bit lane."""
+    q, scale = groups.q, groups.scale
+    pad = -q.shape[0] % 16
+    if pad:
+        q, scale = F.pad(q, (0, 0, 0, pad)), F.pad(scale, (0, 0, 0, pad))
+    n, k = q.shape
+    tiles, n_groups = n // 16, k // GROUP_SIZE
+    shifted = q.view(torch.uint8) ^ 0x80  # the int8 value plus 128
+    # [tile, row, group, chunk, j] -> [tile, group, chunk, row, j]
+    packed = shifted.view(tiles, 16, n_groups, 8, 4).permute(0, 2, 3, 1, 4)
+    per_tile = scale.view(tiles, 16, n_groups).transpose(1, 2)
+    return packed.reshape(tiles, n_groups * 512).contiguous(), per_tile.contiguous()
+
+
 class Int8Linear:
-    """The output layer on a GGUF's Q8_0 weights (W = q * scale per 32 inputs) as stored: one
-    row (every decode step's, and a prefill's last token) through core/cpu_ops.py's kernel,
-    which reads half the bytes of a bf16 copy and is exact (fp32 products and sums; the bf16
-    copy rounds every weight); more rows (every position's logits) through `dense`, the bf16
-    matrix. Returns fp32."""
+    """The output layer on a GGUF's Q8_0 weights (W = q * scale per 32 inputs) as stored, in
+    tiles of 16 rows (pack_int8): one row (every decode step's, and a prefill's last token)
+    through core/cpu_ops.py's kernel, which reads half the bytes of a bf16 copy and is exact
+    but for the inputs' rounding to 16-bit integers per group of 32 (the bf16 copy rounds every
+    weight); more rows (every position's logits) through `dense`, the bf16 matrix. Returns
+    fp32."""
 
     def __init__(self, groups: Int8Groups, dense: DenseLinear, ops: ModuleType) -> None:
-        self.q, self.scale = groups.q.contiguous(), groups.scale.contiguous()
+        self.packed, self.scale = pack_int8(groups)
         self.dense, self._ops = dense, ops
-        self.out_features = self.q.shape[0]
-        self.read_bytes = _nbytes(self.q, self.scale)
+        self.out_features = groups.q.shape[0]
+        self.read_bytes = _nbytes(self.packed, self.scale)
         self.nbytes = self.read_bytes + dense.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if rows.shape[0] > 1:
             return self.dense(x).float()
-        return self._ops.int8_linear(rows, self.q, self.scale).reshape(*x.shape[:-1], -1)
+        y = self._ops.int8_linear(rows, self.packed, self.scale)[:, : self.out_features]
+        return y.reshape(*x.shape[:-1], -1)
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:

@@ -4,20 +4,19 @@
 // ~3 us each plus Python: RMSNorm alone is eight ops (~38 us), SiLU-and-multiply three. These
 // compute the same values in one pass each (every intermediate rounded to bf16 where torch's
 // bf16 ops round; they sum and take exp in another order, so a value in ~1,000 may land one
-// bf16 step away). int8_linear is the output layer on a GGUF's Q8_0 weights read
-// as they are stored (int8 values, an fp32 scale per 32), half the bytes of a bf16 copy and
-// exact: a product of an int8 value and an fp32 input is accumulated in fp32.
+// bf16 step away). int8_linear is the output layer on a GGUF's Q8_0 weights as they are
+// stored (int8 values, a scale per 32; reordered into tiles of 16 rows), half the bytes of a
+// bf16 copy and exact but for the inputs' 16-bit rounding (1/65024 of a group's largest).
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "bf16.h"
 #include "decoder_ops.h"
+#include "quant_row.h"
 #include "rows.h"
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
 
 namespace {
 
@@ -92,51 +91,119 @@ void silu_mul_row(const uint16_t* gate, const uint16_t* up, int64_t n, uint16_t*
 
 }  // namespace kvchat
 
-// x [M, K] (any float dtype) times the int8 weight q [N, K] with fp32 scales [N, K / 32]:
-// fp32 [M, N]. Each 32-value group's products are summed, then scaled.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor q, torch::Tensor scales) {
-  TORCH_CHECK(x.dim() == 2 && q.dim() == 2 && scales.dim() == 2, "int8_linear: 2-d tensors");
-  const int64_t M = x.size(0), K = x.size(1), N = q.size(0), G = K / 32;
-  TORCH_CHECK(q.scalar_type() == at::kChar && scales.scalar_type() == at::kFloat,
-              "int8_linear: int8 weight and fp32 scales");
-  TORCH_CHECK(K % 32 == 0 && q.size(1) == K && scales.size(0) == N && scales.size(1) == G,
-              "int8_linear: q [N, K] and scales [N, K / 32] for x [M, K], K a multiple of 32");
-  auto xf = x.to(torch::kFloat).contiguous();
-  q = q.contiguous();
-  scales = scales.contiguous();
-  auto out = torch::empty({M, N}, xf.options());
-  const float* xp = xf.data_ptr<float>();
-  const int8_t* qp = q.data_ptr<int8_t>();
-  const float* sp = scales.data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  // Output rows (the vocabulary's, for the head) in tasks of 256.
-  kvchat::for_rows(N, 256, [&](int64_t n) {
-    const int8_t* qr = qp + n * K;
-    const float* sr = sp + n * G;
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xr = xp + m * K;
-#if defined(__AVX512F__)
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t g = 0; g < G; ++g) {
-        const int8_t* qg = qr + 32 * g;
-        const __m512 q0 = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg))));
-        const __m512 q1 = _mm512_cvtepi32_ps(
-            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qg + 16))));
-        __m512 dot = _mm512_mul_ps(q0, _mm512_loadu_ps(xr + 32 * g));
-        dot = _mm512_fmadd_ps(q1, _mm512_loadu_ps(xr + 32 * g + 16), dot);
-        acc = _mm512_fmadd_ps(dot, _mm512_set1_ps(sr[g]), acc);
+namespace {
+
+using kvchat::QuantBuffer;
+using kvchat::QuantRow;
+
+#if KVCHAT_VNNI
+// Output rows 16 t .. 16 (t + NT) of the int8 weight for the quantized row x, NT tiles side by
+// side (as int4_layer.cpp's tiles): per group, D = 256 sum w h + sum w l - 128 X16 is the
+// exact integer product of the signed weights q = w - 128 and the row's 16-bit integers.
+template <int NT>
+void int8_tiles(const uint8_t* packed, const float* scale, const QuantRow& x, int64_t K,
+                int64_t t, float* out) {
+  const int64_t G = K / 32;
+  __m512 acc[NT];
+  for (int i = 0; i < NT; ++i) acc[i] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512i high[NT], low[NT];
+    for (int i = 0; i < NT; ++i) high[i] = low[i] = _mm512_setzero_si512();
+#pragma GCC unroll 8
+    for (int c = 0; c < 8; ++c) {
+      const __m512i h = kvchat::broadcast4(x.high + 32 * g + 4 * c);
+      const __m512i l = kvchat::broadcast4(x.low + 32 * g + 4 * c);
+#pragma GCC unroll 2
+      for (int i = 0; i < NT; ++i) {
+        const __m512i w = _mm512_loadu_si512(packed + (t + i) * 16 * K + g * 512 + 64 * c);
+        high[i] = _mm512_dpbusd_epi32(high[i], w, h);
+        low[i] = _mm512_dpbusd_epi32(low[i], w, l);
       }
-      op[m * N + n] = _mm512_reduce_add_ps(acc);
+    }
+    const __m512i offset = _mm512_set1_epi32(128 * x.int_sums[g]);
+    const __m512 dx = _mm512_set1_ps(x.scale[g]);
+    for (int i = 0; i < NT; ++i) {
+      const __m512i d = _mm512_sub_epi32(
+          _mm512_add_epi32(_mm512_slli_epi32(high[i], 8), low[i]), offset);
+      const __m512 s = _mm512_loadu_ps(scale + ((t + i) * G + g) * 16);
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s, dx), _mm512_cvtepi32_ps(d), acc[i]);
+    }
+  }
+  for (int i = 0; i < NT; ++i) _mm512_storeu_ps(out + 16 * (t + i), acc[i]);
+}
 #else
-      float acc = 0.f;
-      for (int64_t g = 0; g < G; ++g) {
-        float dot = 0.f;
-        for (int i = 0; i < 32; ++i) dot += static_cast<float>(qr[32 * g + i]) * xr[32 * g + i];
-        acc += dot * sr[g];
-      }
-      op[m * N + n] = acc;
+// The same products one value at a time (CPUs without AVX512-VNNI).
+template <int NT>
+void int8_tiles(const uint8_t* packed, const float* scale, const QuantRow& x, int64_t K,
+                int64_t t, float* out) {
+  const int64_t G = K / 32;
+  for (int64_t tile = t; tile < t + NT; ++tile) {
+    float acc[16] = {};
+    for (int64_t g = 0; g < G; ++g) {
+      int32_t dot[16] = {};
+      for (int c = 0; c < 8; ++c)
+        for (int r = 0; r < 16; ++r)
+          for (int j = 0; j < 4; ++j) {
+            const int64_t k = 32 * g + 4 * c + j;
+            dot[r] += packed[tile * 16 * K + g * 512 + 64 * c + 4 * r + j] *
+                      (256 * x.high[k] + x.low[k]);
+          }
+      for (int r = 0; r < 16; ++r)
+        acc[r] += scale[(tile * G + g) * 16 + r] * x.scale[g] *
+                  static_cast<float>(dot[r] - 128 * x.int_sums[g]);
+    }
+    std::copy(acc, acc + 16, out + 16 * tile);
+  }
+}
 #endif
+
+}  // namespace
+
+// x [M, K] (fp32 or bf16) times a GGUF Q8_0 weight in core/linear.py's pack_int8 layout:
+// packed uint8 [N / 16, 16 K] (the int8 values plus 128; tile t's group g is 8 chunks of 64
+// bytes, byte 4 r + j of chunk c holding row 16 t + r's input 32 g + 4 c + j) and fp32 scales
+// [N / 16, K / 32, 16]: fp32 [M, N]. The rows of x go in as 16-bit integers per group of 32
+// (quant_row.h), so the weights multiply them exactly in int32 with vpdpbusd: the fp32
+// products this replaced ran at ~12 GB/s, bound by widening every weight to an fp32.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && scale.dim() == 3, "int8_linear: x [M, K], "
+              "packed [N / 16, 16 K], scale [N / 16, K / 32, 16]");
+  const int64_t M = x.size(0), K = x.size(1), T = packed.size(0), G = K / 32;
+  TORCH_CHECK(packed.scalar_type() == at::kByte && scale.scalar_type() == at::kFloat,
+              "int8_linear: uint8 packed weight and fp32 scales");
+  TORCH_CHECK(K % 32 == 0 && packed.size(1) == 16 * K && scale.size(0) == T &&
+                  scale.size(1) == G && scale.size(2) == 16,
+              "int8_linear: packed [N / 16, 16 K] and scale [N / 16, K / 32, 16] for x [M, K], "
+              "K a multiple of 32");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "int8_linear: x must be fp32 or bf16");
+  x = x.contiguous();
+  packed = packed.contiguous();
+  scale = scale.contiguous();
+  std::vector<QuantBuffer> rows;
+  rows.reserve(M);
+  for (int64_t m = 0; m < M; ++m) {
+    rows.emplace_back(K);
+    if (x.scalar_type() == at::kFloat)
+      kvchat::quantize_groups(x.data_ptr<float>() + m * K, K, rows.back());
+    else
+      kvchat::quantize_groups(reinterpret_cast<const uint16_t*>(x.data_ptr()) + m * K, K,
+                              rows.back());
+  }
+  auto out = torch::empty({M, 16 * T}, x.options().dtype(torch::kFloat));
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  // Pairs of tiles (32 of the vocabulary's rows, for the head) in tasks of 16.
+  at::parallel_for(0, (T + 1) / 2, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t m = 0; m < M; ++m) {
+      const QuantRow row = rows[m].row();
+      for (int64_t pair = lo; pair < hi; ++pair) {
+        if (2 * pair + 1 < T)
+          int8_tiles<2>(pp, sp, row, K, 2 * pair, op + m * 16 * T);
+        else
+          int8_tiles<1>(pp, sp, row, K, 2 * pair, op + m * 16 * T);
+      }
     }
   });
   return out;

@@ -36,17 +36,15 @@
 #include <omp.h>
 
 #include <algorithm>
-#include <cmath>
-#include <cstring>
 #include <utility>
 #include <vector>
 
 #include "bf16.h"
 #include "decoder_ops.h"
+#include "quant_row.h"
 
 // AVX512-BF16 for the bf16 products of prefill chunks (core/linear.py), VNNI for decode's.
-#if defined(__AVX512BF16__) && defined(__AVX512VNNI__)
-#include <immintrin.h>
+#if defined(__AVX512BF16__) && KVCHAT_VNNI
 #define KVCHAT_INT4_VNNI 1
 #else
 #define KVCHAT_INT4_VNNI 0
@@ -60,6 +58,12 @@ namespace {
 
 using kvchat::bf16_to_float;
 using kvchat::float_to_bf16;
+using kvchat::QuantBuffer;
+using kvchat::QuantRow;
+using kvchat::quantize_groups;
+#if KVCHAT_INT4_VNNI
+using kvchat::broadcast4;
+#endif
 
 // A weight in pack_int4's layout: K inputs, T tiles of 16 output rows.
 struct Int4Matrix {
@@ -98,53 +102,7 @@ const uint16_t* bf16_data(const torch::Tensor& t, int64_t numel, const char* wha
   return reinterpret_cast<const uint16_t*>(t.data_ptr());
 }
 
-// An input row quantized per group of 32 for the products: x ~ scale (256 high + low), the
-// halves int8, and each group's exact sum X in fp32 (for the minimums).
-struct QuantRow {
-  const int8_t* high;
-  const int8_t* low;
-  const float* scale;
-  const float* sums;
-};
-
-// Storage for a QuantRow of K inputs.
-struct QuantBuffer {
-  std::vector<int8_t> high, low;
-  std::vector<float> scale, sums;
-  explicit QuantBuffer(int64_t K) : high(K), low(K), scale(K / 32), sums(K / 32) {}
-  QuantRow row() const { return {high.data(), low.data(), scale.data(), sums.data()}; }
-};
-
-// Groups [0, K / 32) of the bf16 row x into b from group g0 on (one definition: every caller
-// quantizes alike, so the fused calls equal the single ones).
-__attribute__((noinline)) void quantize_groups(const uint16_t* x, int64_t K, QuantBuffer& b,
-                                               int64_t g0 = 0) {
-  for (int64_t g = 0; g < K / 32; ++g) {
-    float v[32], amax = 0.f, sum = 0.f;
-    for (int i = 0; i < 32; ++i) {
-      v[i] = bf16_to_float(x[32 * g + i]);
-      amax = std::max(amax, std::fabs(v[i]));
-      sum += v[i];
-    }
-    const float inv = amax > 0.f ? 32512.f / amax : 0.f;
-    for (int i = 0; i < 32; ++i) {
-      const auto x16 = static_cast<int32_t>(std::nearbyint(v[i] * inv));  // |x16| <= 127 * 256
-      const int32_t high = (x16 + 128) >> 8;  // floor: low = x16 - 256 high is in [-128, 127]
-      b.high[32 * (g0 + g) + i] = static_cast<int8_t>(high);
-      b.low[32 * (g0 + g) + i] = static_cast<int8_t>(x16 - 256 * high);
-    }
-    b.scale[g0 + g] = amax / 32512.f;
-    b.sums[g0 + g] = sum;
-  }
-}
-
 #if KVCHAT_INT4_VNNI
-inline __m512i broadcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
 // Output rows 16 t .. 16 (t + NT) for the input row x, NT tiles side by side: one tile's chain
 // of vpdpbusd waits on its latency, two keep the core busy.
 template <int NT>

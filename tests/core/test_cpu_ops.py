@@ -1,5 +1,6 @@
 """The decoder's C++ ops (core/csrc/decoder_ops.cpp) against the torch code they replace, and
-the Q8_0 output layer against its exact float weights, on the real model too."""
+the Q8_0 output layer against its exact float weights (within its inputs' 16-bit rounding), on
+the real model too."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from kvchat.core import cpu_ops
-from kvchat.core.linear import DenseLinear, Int8Linear
+from kvchat.core.linear import DenseLinear, Int8Linear, pack_int8
 from kvchat.core.model import rms_norm, silu_mul
 from kvchat.core.weights import Int8Groups
 
@@ -51,7 +52,11 @@ def test_the_ops_refuse_what_they_do_not_compute():
     with pytest.raises(RuntimeError, match="must be even"):
         OPS.silu_mul(_bf16(1, 63))
     with pytest.raises(RuntimeError, match="multiple of 32"):
-        OPS.int8_linear(torch.randn(1, 48), torch.zeros(4, 48, dtype=torch.int8), torch.ones(4, 1))
+        OPS.int8_linear(
+            torch.randn(1, 48), torch.zeros(1, 16 * 48, dtype=torch.uint8), torch.ones(1, 1, 16)
+        )
+    with pytest.raises(RuntimeError, match="fp32 or bf16"):
+        OPS.int8_linear(torch.randn(1, 64).half(), *pack_int8(_groups(16, 64)))
 
 
 def _groups(out_features: int, in_features: int) -> Int8Groups:
@@ -61,15 +66,27 @@ def _groups(out_features: int, in_features: int) -> Int8Groups:
     return Int8Groups(q, scale)
 
 
+def _input_rounding(x: torch.Tensor, groups: Int8Groups) -> torch.Tensor:
+    """The most the inputs' rounding to 16-bit integers per group of 32 (each within
+    max |x| / 32512 / 2 of its value) can move each product: [rows, out_features]."""
+    dx = x.double().view(x.shape[0], -1, 32).abs().amax(-1) / 32512
+    weight = groups.q.double().abs().view(groups.q.shape[0], -1, 32).sum(-1) * groups.scale
+    return (dx / 2) @ weight.double().T
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_int8_linear_is_the_exact_weights_product(dtype):
+def test_int8_linear_is_the_exact_weights_product_within_its_inputs_rounding(dtype):
+    """1000 rows: the last of 63 tiles of 16 is padded with zero rows."""
     groups = _groups(1000, 576)
     x = _bf16(3, 576, seed=4).to(dtype)
-    got = OPS.int8_linear(x, groups.q, groups.scale)
+    if dtype == torch.float32:
+        x = x + torch.randn(3, 576, generator=torch.Generator().manual_seed(5)) * 1e-3
+    got = OPS.int8_linear(x, *pack_int8(groups))[:, :1000]
     want = x.double() @ groups.dequantize().double().T
     assert got.dtype == torch.float32
-    # fp32 sums of 576 products: relative error ~1e-6 of the row's magnitude.
-    torch.testing.assert_close(got.double(), want, rtol=0, atol=1e-5 * want.abs().max().item())
+    # fp32 sums: relative error ~1e-6 of the row's magnitude.
+    bound = _input_rounding(x, groups) + 1e-6 * want.abs().max()
+    assert ((got.double() - want).abs() <= bound).all()
 
 
 def test_int8_head_takes_one_row_and_leaves_more_to_the_dense_matrix():
@@ -78,15 +95,18 @@ def test_int8_head_takes_one_row_and_leaves_more_to_the_dense_matrix():
     head = Int8Linear(groups, dense, OPS)
     x = _bf16(1, 576, seed=5)
     exact = x.double() @ groups.dequantize().double().T
-    torch.testing.assert_close(head(x).double(), exact, rtol=0, atol=1e-5 * exact.abs().max())
+    assert head(x).shape == (1, 500)
+    bound = _input_rounding(x, groups) + 1e-6 * exact.abs().max()
+    assert ((head(x).double() - exact).abs() <= bound).all()
     rows = _bf16(6, 576, seed=6)
     assert torch.equal(head(rows), dense(rows).float())
-    assert head.read_bytes == 500 * 576 + 500 * 18 * 4
+    assert head.read_bytes == 512 * 576 + 512 * 18 * 4  # 500 rows padded to 32 tiles of 16
 
 
 def test_the_bundled_model_reads_its_q8_0_head_as_stored(engine_fp32):
     """bf16 on the CPU: the output layer is the GGUF's int8 table, and its logits are the
-    exact table's (the fp32 engine's dense head holds the same exact values)."""
+    exact table's but for the inputs' 16-bit rounding (the fp32 engine's dense head holds the
+    same exact values)."""
     from kvchat.core.model import Transformer
     from kvchat.core.weights import load_weights
 
@@ -96,7 +116,7 @@ def test_the_bundled_model_reads_its_q8_0_head_as_stored(engine_fp32):
     x = _bf16(1, model.cfg.hidden_size, seed=7)
     exact = x.double() @ weights.tensors["model.embed_tokens.weight"].double().T
     got = model.lm_head(x)
-    torch.testing.assert_close(got.double(), exact, rtol=0, atol=1e-5 * exact.abs().max())
+    torch.testing.assert_close(got.double(), exact, rtol=0, atol=1e-4 * exact.abs().max())
     # The bf16 table's product (what the head was) is off by the table's rounding, >10x more.
     rounded = model.embed.double()
     assert (x.double() @ rounded.T - exact).abs().max() > 10 * (got.double() - exact).abs().max()

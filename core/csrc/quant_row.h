@@ -1,0 +1,87 @@
+// An input row rounded to 16-bit integers per group of 32 for the integer products of
+// int4_layer.cpp (the int4 weights) and decoder_ops.cpp (the int8 output layer): x ~ scale
+// (256 high + low) with scale = max |x| / 32512 and high, low int8, so vpdpbusd multiplies the
+// unsigned weight bytes by 4 inputs' high halves, and again by their low halves, summing
+// exactly in int32. Each input is within scale / 2 of its value, 1/65024 of its group's
+// largest (bf16 keeps 2^-9 of each value).
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "bf16.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define KVCHAT_VNNI 1
+#else
+#define KVCHAT_VNNI 0
+#endif
+
+namespace kvchat {
+
+// A quantized row: the halves, each group's scale, its exact sum X in fp32 (what an int4
+// weight's minimum multiplies) and the sum of its 16-bit integers (what the int8 weights'
+// offset of 128 multiplies).
+struct QuantRow {
+  const int8_t* high;
+  const int8_t* low;
+  const float* scale;
+  const float* sums;
+  const int32_t* int_sums;
+};
+
+// Storage for a QuantRow of K inputs.
+struct QuantBuffer {
+  std::vector<int8_t> high, low;
+  std::vector<float> scale, sums;
+  std::vector<int32_t> int_sums;
+  explicit QuantBuffer(int64_t K)
+      : high(K), low(K), scale(K / 32), sums(K / 32), int_sums(K / 32) {}
+  QuantRow row() const {
+    return {high.data(), low.data(), scale.data(), sums.data(), int_sums.data()};
+  }
+};
+
+inline float value_of(uint16_t bf16) { return bf16_to_float(bf16); }
+inline float value_of(float x) { return x; }
+
+// The K / 32 groups of the row x (bf16 or fp32) into b from group g0 on (one definition: every
+// caller quantizes alike, so the fused int4 calls equal the single ones).
+template <typename T>
+void quantize_groups(const T* x, int64_t K, QuantBuffer& b, int64_t g0 = 0) {
+  for (int64_t g = 0; g < K / 32; ++g) {
+    float v[32], amax = 0.f, sum = 0.f;
+    for (int i = 0; i < 32; ++i) {
+      v[i] = value_of(x[32 * g + i]);
+      amax = std::max(amax, std::fabs(v[i]));
+      sum += v[i];
+    }
+    const float inv = amax > 0.f ? 32512.f / amax : 0.f;
+    int32_t int_sum = 0;
+    for (int i = 0; i < 32; ++i) {
+      const auto x16 = static_cast<int32_t>(std::nearbyint(v[i] * inv));  // |x16| <= 127 * 256
+      const int32_t high = (x16 + 128) >> 8;  // floor: low = x16 - 256 high is in [-128, 127]
+      b.high[32 * (g0 + g) + i] = static_cast<int8_t>(high);
+      b.low[32 * (g0 + g) + i] = static_cast<int8_t>(x16 - 256 * high);
+      int_sum += x16;
+    }
+    b.scale[g0 + g] = amax / 32512.f;
+    b.sums[g0 + g] = sum;
+    b.int_sums[g0 + g] = int_sum;
+  }
+}
+
+#if KVCHAT_VNNI
+// 4 adjacent int8 inputs in every 32-bit lane.
+inline __m512i broadcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+#endif
+
+}  // namespace kvchat
