@@ -23,6 +23,12 @@
 
 namespace {
 
+// Blocks ahead whose anchors are prefetched (~6 KB of SmolLM2's QUEST anchors): the anchors
+// stream from DRAM (23 MB a 128K step) and the hardware prefetcher alone left this pass at ~11
+// GB/s (30 layers of a 128K step, the old and new builds alternated in one process: 2.3-2.8 ->
+// 1.8-2.1 ms).
+constexpr int64_t PREFETCH_BLOCKS = 8;
+
 inline float widen(float x) { return x; }
 inline float widen(uint16_t x) { return kvchat::bf16_to_float(x); }
 
@@ -33,6 +39,11 @@ void score(const A* ap, const float* w, int64_t n, int64_t n_kv, int64_t width, 
   at::parallel_for(0, n, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
       const A* row = ap + b * n_kv * width;
+      if (b + PREFETCH_BLOCKS < hi) {
+        const auto* ahead = reinterpret_cast<const char*>(row + PREFETCH_BLOCKS * n_kv * width);
+        for (int64_t off = 0; off < static_cast<int64_t>(sizeof(A)) * n_kv * width; off += 64)
+          __builtin_prefetch(ahead + off);
+      }
       float total = 0.f;
       for (int64_t h = 0; h < n_kv; ++h) {
         const float* wh = w + h * width;
