@@ -108,7 +108,10 @@ void int8_tiles(const uint8_t* packed, const float* scale, const QuantRow& x, in
   for (int i = 0; i < NT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __m512i high[NT], low[NT];
-    for (int i = 0; i < NT; ++i) high[i] = low[i] = _mm512_setzero_si512();
+    for (int i = 0; i < NT; ++i) {
+      high[i] = low[i] = _mm512_setzero_si512();
+      kvchat::prefetch_bytes(packed + (t + i) * 16 * K + (g + 2) * 512, 512);
+    }
 #pragma GCC unroll 8
     for (int c = 0; c < 8; ++c) {
       const __m512i h = kvchat::broadcast4(x.high + 32 * g + 4 * c);

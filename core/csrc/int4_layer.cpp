@@ -113,7 +113,10 @@ void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out
   for (int i = 0; i < NT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
     __m512i high[NT], low[NT];
-    for (int i = 0; i < NT; ++i) high[i] = low[i] = _mm512_setzero_si512();
+    for (int i = 0; i < NT; ++i) {
+      high[i] = low[i] = _mm512_setzero_si512();
+      kvchat::prefetch_bytes(m.packed + (t + i) * 8 * K + (g + 4) * 256, 256);
+    }
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
       const int64_t k = 32 * g + 8 * c;

@@ -76,6 +76,15 @@ void quantize_groups(const T* x, int64_t K, QuantBuffer& b, int64_t g0 = 0) {
 }
 
 #if KVCHAT_VNNI
+// The `bytes` from p on into L1 (p may lie past the data's end: a prefetch never faults). For
+// the weights' streams, ~1 KB ahead of their products: the hardware prefetcher alone left both
+// kernels reading DRAM below its rate (30 layers' int4 calls 4.45 -> 4.09 ms, the 49152-row
+// output layer 1.68 -> 1.55 ms, the builds alternated in one process).
+inline void prefetch_bytes(const void* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64)
+    _mm_prefetch(static_cast<const char*>(p) + off, _MM_HINT_T0);
+}
+
 // 4 adjacent int8 inputs in every 32-bit lane.
 inline __m512i broadcast4(const int8_t* p) {
   int32_t v;
