@@ -578,8 +578,7 @@ def _write_atomically(path: Path, header: dict, sections: list[tuple[str, torch.
 def _byte_pieces(t: torch.Tensor) -> Iterator[np.ndarray]:
     """The tensor's bytes in C order, as uint8 arrays of at most _CHUNK bytes, without copying
     a strided tensor whole (each contiguous sub-tensor is read in place; a strided one that
-    fits in a piece is copied: the window buffers are token-major views, one row per head and
-    token otherwise)."""
+    fits in a piece is copied)."""
     if t.numel() == 0:
         return
     if not t.is_contiguous() and t.numel() * t.element_size() <= _CHUNK:

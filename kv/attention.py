@@ -77,35 +77,13 @@ def _per_head(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.matmul(a[h], b[h]) for h in range(a.shape[0])])
 
 
-def _token_major(x: torch.Tensor) -> bool:
-    """Whether x [n_kv, S, D] is a view of a contiguous [S, n_kv, D] (the local window)."""
-    return x.shape[0] > 1 and x.transpose(0, 1).is_contiguous()
-
-
 def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """q [n_kv, group, D] against k [n_kv, S, D]: [n_kv, group, S]."""
-    n_kv, group, dim = q.shape
-    if _token_major(k):
-        # Every head's keys are one [S, n_kv * D] matrix: a single matmul with a block-diagonal
-        # query (a query head's row is zero outside its KV head's columns) reads them once,
-        # ~1.4x faster than a matmul per head for a 2K-token window.
-        wide = q.new_zeros(n_kv, group, n_kv, dim)
-        wide.diagonal(dim1=0, dim2=2).copy_(q.permute(1, 2, 0))
-        keys = k.transpose(0, 1).reshape(-1, n_kv * dim)
-        return (wide.view(n_kv * group, n_kv * dim) @ keys.T).view(n_kv, group, -1)
     return _per_head(q, k.transpose(1, 2))
 
 
 def _weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """p [n_kv, group, S] times v [n_kv, S, D]: [n_kv, group, D]."""
-    n_kv, group, _ = p.shape
-    if _token_major(v):
-        # The same trick: every query head against every KV head's values, then the
-        # block diagonal (query head, its own KV head) kept.
-        dim = v.shape[-1]
-        values = v.transpose(0, 1).reshape(-1, n_kv * dim)
-        wide = (p.reshape(n_kv * group, -1) @ values).view(n_kv, group, n_kv, dim)
-        return wide.diagonal(dim1=0, dim2=2).permute(2, 0, 1)
     return _per_head(p, v)
 
 

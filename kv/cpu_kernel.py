@@ -104,7 +104,7 @@ def decode_layer(
     mode: str,
 ) -> Any:
     """A layer's decode attention in one call (kv/csrc/decode_layer.cpp) over these buffers:
-    the token-major bf16 window buffers [capacity, n_kv, D] (win_store_k the same tensor when
+    the bf16 window buffers [n_kv, capacity, D] (win_store_k the same tensor when
     the store keeps rotated keys), the sink blocks, the pools' storage (slot h * max_blocks + b
     starts at slot * slot_unit: elements for FP16, bytes otherwise) and the anchors.
 

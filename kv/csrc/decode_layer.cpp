@@ -14,22 +14,22 @@
 
 namespace {
 
-// Row `col` of a token-major [capacity, n_kv, D] buffer <- x [n_kv, 1, D] (any row strides).
+// Row `col` of a [n_kv, capacity, D] buffer <- x [n_kv, 1, D] (any row strides).
 void write_column(torch::Tensor& buffer, const torch::Tensor& x, int64_t col) {
-  const int64_t n_kv = buffer.size(1), D = buffer.size(2);
-  TORCH_CHECK(col >= 0 && col < buffer.size(0), "window column out of range");
+  const int64_t n_kv = buffer.size(0), cap = buffer.size(1), D = buffer.size(2);
+  TORCH_CHECK(col >= 0 && col < cap, "window column out of range");
   TORCH_CHECK(x.size(0) == n_kv && x.size(-1) == D && x.stride(-1) == 1, "key rows: [n_kv, 1, D]");
-  auto* dst = reinterpret_cast<uint16_t*>(buffer.data_ptr()) + col * n_kv * D;
+  auto* dst = reinterpret_cast<uint16_t*>(buffer.data_ptr()) + col * D;
   const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  for (int64_t h = 0; h < n_kv; ++h) std::memcpy(dst + h * D, src + h * x.stride(0), D * 2);
+  for (int64_t h = 0; h < n_kv; ++h) std::memcpy(dst + h * cap * D, src + h * x.stride(0), D * 2);
 }
 
-// Element offsets [n_kv, 1] of each head's first row at `row` of a token-major buffer, or of a
-// [n_kv, rows, D] one (`token_major` false).
-torch::Tensor head_starts(int64_t n_kv, int64_t row, int64_t rows, int64_t D, bool token_major) {
+// Element offsets [n_kv, 1] of each head's row `row` in a contiguous [n_kv, rows, D] buffer.
+torch::Tensor head_starts(const torch::Tensor& buffer, int64_t row) {
+  const int64_t n_kv = buffer.size(0), rows = buffer.size(1), D = buffer.size(2);
   auto starts = torch::empty({n_kv, 1}, torch::kLong);
   int64_t* p = starts.data_ptr<int64_t>();
-  for (int64_t h = 0; h < n_kv; ++h) p[h] = token_major ? (row * n_kv + h) * D : h * rows * D;
+  for (int64_t h = 0; h < n_kv; ++h) p[h] = (h * rows + row) * D;
   return starts;
 }
 
@@ -44,17 +44,17 @@ DecodeLayer::DecodeLayer(torch::Tensor win_k, torch::Tensor win_v, torch::Tensor
       slot_unit_(slot_unit), max_blocks_(max_blocks), quest_(quest), shared_(shared) {
   for (const auto* t : {&win_k_, &win_v_, &win_store_k_}) {
     TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == at::kBFloat16,
-                "window buffers: contiguous bf16 [capacity, n_kv, D]");
+                "window buffers: contiguous bf16 [n_kv, capacity, D]");
   }
   TORCH_CHECK(sink_k_.is_contiguous() && sink_v_.is_contiguous(), "sink buffers: contiguous");
-  sink_starts_ = head_starts(sink_k_.size(0), 0, sink_k_.size(1), sink_k_.size(2), false);
+  sink_starts_ = head_starts(sink_k_, 0);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::decode(
     torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
     torch::Tensor far_cos, torch::Tensor far_sin, int64_t col, int64_t ws, bool sinks,
     std::optional<torch::Tensor> known, int64_t first, int64_t last, int64_t budget) {
-  const int64_t n_kv = win_k_.size(1), D = win_k_.size(2), n_heads = q.size(0);
+  const int64_t n_kv = win_k_.size(0), D = win_k_.size(2), n_heads = q.size(0);
   TORCH_CHECK(q.dim() == 3 && q.size(1) == 1 && q.size(2) == D, "one query token: [n_heads, 1, D]");
   TORCH_CHECK(0 <= ws && ws <= col, "the window starts at or before the token");
   auto qa = rotate(q, cos, sin);
@@ -71,8 +71,8 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::decode(
   if (!known && budget > 0 && last > first)
     blocks = select_blocks(q_far.view({n_heads, D}).to(torch::kFloat), anchors_, first, last,
                            budget, quest_, shared_);
-  std::vector<torch::Tensor> ks{win_k_}, vs{win_v_}, starts{head_starts(n_kv, ws, 0, D, true)};
-  std::vector<int64_t> qids{0}, strides{n_kv * D}, rows{col + 1 - ws}, formats{0};
+  std::vector<torch::Tensor> ks{win_k_}, vs{win_v_}, starts{head_starts(win_k_, ws)};
+  std::vector<int64_t> qids{0}, strides{D}, rows{col + 1 - ws}, formats{0};
   if (sinks) {
     const int64_t block = sink_k_.size(1);
     ks.push_back(sink_k_);

@@ -22,7 +22,8 @@ pytestmark = pytest.mark.skipif(
 
 
 def _case(n_kv: int, group: int, dim: int, dtype: torch.dtype, seed: int = 0):
-    """A token-major window, a sink block and a block store, as the cache lays them out."""
+    """A window stored token-major (rows n_kv * D apart: the kernel reads any row stride, the
+    cache keeps its window head-major), a sink block and a block store."""
     gen = torch.Generator().manual_seed(seed)
     block, n_blocks, cap = 16, 12, 70
 
