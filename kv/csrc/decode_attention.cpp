@@ -76,9 +76,9 @@ struct Set {
 };
 
 // The tile after this one, whose rows are prefetched one by one while this tile's rows are
-// read (a bulk prefetch at the tile's start, or none, streams at half the rate: the runs are
-// scattered 16 KB blocks and strided window rows, which the hardware prefetcher ramps up on
-// too late).
+// read (a bulk prefetch at the tile's start, or none, streamed at half the rate: the runs are
+// scattered 16 KB blocks, and were strided window rows then, which the hardware prefetcher
+// ramps up on too late).
 struct Ahead {
   const char* k = nullptr;
   const char* v = nullptr;
