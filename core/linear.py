@@ -18,7 +18,6 @@ from .int4_layer import Int4Pack, pack_int4
 from .weights import GROUP_SIZE, Int4Groups, Int8Groups
 
 WEIGHT_FORMATS = ("dense", "int4")
-_INT4_GROUP = 32
 # The op as torch's own function: through torch.ops it costs ~5 us more a call (the packet
 # resolves its overload each time), 120 calls a SmolLM2 decode step.
 _INT4_MM = torch._weight_int4pack_mm_for_cpu
@@ -75,9 +74,9 @@ class Int4Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # every call of the decoder: no reshapes around the product
-            y = _INT4_MM(x, self.packed, _INT4_GROUP, self.scale_zero)
+            y = _INT4_MM(x, self.packed, GROUP_SIZE, self.scale_zero)
         else:
-            rows = _INT4_MM(x.reshape(-1, x.shape[-1]), self.packed, _INT4_GROUP, self.scale_zero)
+            rows = _INT4_MM(x.reshape(-1, x.shape[-1]), self.packed, GROUP_SIZE, self.scale_zero)
             y = rows.reshape(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -177,7 +176,7 @@ def make_linear(
         weight_format == "int4"
         and device.type == "cpu"
         and all(g is not None for g in int4)
-        and mats[0].shape[1] % _INT4_GROUP == 0
+        and mats[0].shape[1] % GROUP_SIZE == 0
     )
     if usable_int4:
         groups = Int4Groups.cat(int4)  # type: ignore[arg-type]

@@ -77,16 +77,6 @@ def _per_head(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.stack([torch.matmul(a[h], b[h]) for h in range(a.shape[0])])
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-    """q [n_kv, group, D] against k [n_kv, S, D]: [n_kv, group, S]."""
-    return _per_head(q, k.transpose(1, 2))
-
-
-def _weighted(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """p [n_kv, group, S] times v [n_kv, S, D]: [n_kv, group, D]."""
-    return _per_head(p, v)
-
-
 def decode_attention(
     parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,14 +90,14 @@ def decode_attention(
     n_heads, _, dim = parts[0][0].shape
     n_kv = parts[0][1].shape[0]
     group = n_heads // n_kv
-    scores = [_scores(q.reshape(n_kv, group, dim), k) for q, k, _ in parts]
+    scores = [_per_head(q.reshape(n_kv, group, dim), k.transpose(1, 2)) for q, k, _ in parts]
     sizes = [s.shape[-1] for s in scores]
     probs = torch.softmax(torch.cat(scores, dim=-1).mul_(dim**-0.5), dim=-1, dtype=torch.float32)
     weights = probs.to(parts[0][2].dtype).split(sizes, dim=-1)
     out = None
     for (_, _, v), p in zip(parts, weights, strict=True):
         if p.shape[-1]:
-            part = _weighted(p, v)
+            part = _per_head(p, v)
             out = part if out is None else out + part
     assert out is not None, "decode attention needs at least one key"
     return out.reshape(n_heads, 1, dim), probs[..., : sizes[0]].sum(dim=1)
