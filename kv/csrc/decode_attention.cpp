@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "kernels.h"
 
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -50,30 +51,14 @@ constexpr float NO_MAX = -1e30f;
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return kvchat::bf16_to_float(p[i]); }
 
-struct Run {
-  int set;
-  int64_t start;
-  int64_t rows;
-};
-
-// How a set's rows are stored: in the kv dtype, or as a BlockPool's INT8 / INT4 byte rows.
-enum class Format : int64_t { Plain = 0, Int8 = 1, Int4 = 2 };
+using kvchat::Format;
+using kvchat::KeyRun;
+using kvchat::KeySet;
 
 // Bytes of a quantized row's values, and of its fp16 metadata: a scale per 32 values, and for
 // INT4 a minimum per 32 values too (kv/quant.py).
 constexpr int64_t value_bytes(Format f, int64_t D) { return f == Format::Int4 ? D / 2 : D; }
 constexpr int64_t meta_bytes(Format f, int64_t D) { return (f == Format::Int4 ? 4 : 2) * (D / 32); }
-
-struct Set {
-  const void* k;
-  const void* v;
-  int qid;
-  int64_t stride;
-  // Quantized blocks: each run is a block of `rows` rows of values, followed by all their
-  // scales, then (INT4) all their minimums; `start` its byte offset. Dequantized a tile at a
-  // time into a buffer that the rest of the kernel reads like any other rows.
-  Format format = Format::Plain;
-};
 
 // The tile after this one, whose rows are prefetched one by one while this tile's rows are
 // read (a bulk prefetch at the tile's start, or none, streamed at half the rate: the runs are
@@ -363,7 +348,7 @@ void widen_rows(const T* src, int64_t stride, int64_t tn, const char* next, cons
 // Online softmax over this head's runs [r0, r1); writes the running max, sum and
 // unnormalised output of each query of the group.
 template <typename T, int D, bool DP>
-void attend(const float* q, int G, const std::vector<Set>& sets, const Run* runs, int64_t n_runs,
+void attend(const float* q, int G, const std::vector<KeySet>& sets, const KeyRun* runs, int64_t n_runs,
             float scale, float* m, float* l, float* acc) {
   std::vector<float> s(G * TILE), tile(DP ? 0 : TILE * D);
   std::vector<uint16_t> pairs(DP ? TILE * D : 0);
@@ -377,7 +362,7 @@ void attend(const float* q, int G, const std::vector<Set>& sets, const Run* runs
   std::fill(acc, acc + G * D, 0.f);
   // Where tile t0 of run r lies, and how wide its rows are.
   auto tile_at = [&](int64_t r, int64_t t0) {
-    const Set& set = sets[runs[r].set];
+    const KeySet& set = sets[runs[r].set];
     const char* k = static_cast<const char*>(set.k);
     const char* v = static_cast<const char*>(set.v);
     const bool quantized = set.format != Format::Plain;
@@ -399,7 +384,7 @@ void attend(const float* q, int G, const std::vector<Set>& sets, const Run* runs
   };
   std::vector<T> kq, vq;
   for (int64_t r = 0; r < n_runs; ++r) {
-    const Set& set = sets[runs[r].set];
+    const KeySet& set = sets[runs[r].set];
     const float* qq = q + set.qid * G * D;
     for (int64_t t0 = 0; t0 < runs[r].rows; t0 += TILE) {
       const int64_t tn = std::min(TILE, runs[r].rows - t0);
@@ -500,8 +485,8 @@ void attend(const float* q, int G, const std::vector<Set>& sets, const Run* runs
 }
 
 template <typename T, int D, bool DP>
-void attend_heads(const float* q, int64_t n_kv, int G, const std::vector<Set>& sets,
-                  const std::vector<std::vector<Run>>& runs, float scale, float* out) {
+void attend_heads(const float* q, int64_t n_kv, int G, const std::vector<KeySet>& sets,
+                  const std::vector<std::vector<KeyRun>>& runs, float scale, float* out) {
   // Each head's runs are cut into `splits` parts of about equal rows, so that 2 threads share
   // 3 heads evenly; the parts are merged by their softmax statistics.
   const int64_t threads = at::get_num_threads();
@@ -509,7 +494,7 @@ void attend_heads(const float* q, int64_t n_kv, int G, const std::vector<Set>& s
   std::vector<std::vector<int64_t>> cut(n_kv);
   for (int64_t h = 0; h < n_kv; ++h) {
     int64_t total = 0;
-    for (const Run& run : runs[h]) total += run.rows;
+    for (const KeyRun& run : runs[h]) total += run.rows;
     cut[h].push_back(0);
     int64_t seen = 0;
     for (size_t r = 0; r < runs[h].size(); ++r) {
@@ -548,8 +533,8 @@ void attend_heads(const float* q, int64_t n_kv, int G, const std::vector<Set>& s
 }
 
 template <int D>
-void dispatch(bool bf16, bool dp, const float* q, int64_t n_kv, int G, const std::vector<Set>& sets,
-              const std::vector<std::vector<Run>>& runs, float scale, float* out) {
+void dispatch(bool bf16, bool dp, const float* q, int64_t n_kv, int G, const std::vector<KeySet>& sets,
+              const std::vector<std::vector<KeyRun>>& runs, float scale, float* out) {
   if (dp)
     attend_heads<uint16_t, D, true>(q, n_kv, G, sets, runs, scale, out);
   else if (bf16)
@@ -580,8 +565,8 @@ torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
   auto q = torch::stack({q0.reshape({n_kv, G, D}), q1.reshape({n_kv, G, D})}, 1)
                .to(torch::kFloat)
                .contiguous();
-  std::vector<Set> sets;
-  std::vector<std::vector<Run>> runs(n_kv);
+  std::vector<KeySet> sets;
+  std::vector<std::vector<KeyRun>> runs(n_kv);
   for (size_t i = 0; i < k_srcs.size(); ++i) {
     TORCH_CHECK(k_srcs[i].is_contiguous() && v_srcs[i].is_contiguous(), "sources must be contiguous");
     TORCH_CHECK(formats[i] >= 0 && formats[i] <= 2, "set ", i, ": format 0, 1 or 2");
@@ -612,21 +597,26 @@ torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
   }
   for (int64_t h = 0; h < n_kv; ++h) TORCH_CHECK(!runs[h].empty(), "every head needs a key");
   auto out = torch::empty({n_kv, G, D}, q.options());
-  const float* qp = q.data_ptr<float>();
-  const bool bf16 = dtype == at::kBFloat16;
-  // bf16 queries and keys: pair products in bf16 instructions are exact, so the fast path's
-  // scores differ from converting both to fp32 only in the order of the fp32 sums.
-  const bool dp = KVCHAT_DPBF16 && bf16 && q0.scalar_type() == at::kBFloat16 &&
-                  q1.scalar_type() == at::kBFloat16;
-  const float sc = static_cast<float>(scale);
-  float* o = out.data_ptr<float>();
-  switch (D) {
-    case 32: dispatch<32>(bf16, dp, qp, n_kv, G, sets, runs, sc, o); break;
-    case 64: dispatch<64>(bf16, dp, qp, n_kv, G, sets, runs, sc, o); break;
-    case 128: dispatch<128>(bf16, dp, qp, n_kv, G, sets, runs, sc, o); break;
-    case 256: dispatch<256>(bf16, dp, qp, n_kv, G, sets, runs, sc, o); break;
-    default: TORCH_CHECK(false, "head_dim must be 32, 64, 128 or 256, got ", D);
-  }
+  const bool bf16_queries =
+      q0.scalar_type() == at::kBFloat16 && q1.scalar_type() == at::kBFloat16;
+  kvchat::attend_sets(q.data_ptr<float>(), n_kv, G, D, dtype == at::kBFloat16, bf16_queries,
+                      sets, runs, static_cast<float>(scale), out.data_ptr<float>());
   // Converted here rather than by a torch call from Python (one op less per layer and step).
   return out.view({n_heads, 1, D}).to(q0.scalar_type());
+}
+
+void kvchat::attend_sets(const float* q, int64_t n_kv, int64_t G, int64_t D, bool bf16,
+                         bool bf16_queries, const std::vector<KeySet>& sets,
+                         const std::vector<std::vector<KeyRun>>& runs, float scale, float* out) {
+  // bf16 queries and keys: pair products in bf16 instructions are exact, so the fast path's
+  // scores differ from converting both to fp32 only in the order of the fp32 sums.
+  const bool dp = KVCHAT_DPBF16 && bf16 && bf16_queries;
+  const int g = static_cast<int>(G);
+  switch (D) {
+    case 32: dispatch<32>(bf16, dp, q, n_kv, g, sets, runs, scale, out); break;
+    case 64: dispatch<64>(bf16, dp, q, n_kv, g, sets, runs, scale, out); break;
+    case 128: dispatch<128>(bf16, dp, q, n_kv, g, sets, runs, scale, out); break;
+    case 256: dispatch<256>(bf16, dp, q, n_kv, g, sets, runs, scale, out); break;
+    default: TORCH_CHECK(false, "head_dim must be 32, 64, 128 or 256, got ", D);
+  }
 }

@@ -5,32 +5,37 @@
 // written to the window column, the blocks whose anchors score highest for the query selected
 // (unless the caller knows them), and the window, the sinks and those blocks attended. From
 // Python these were five kernel calls and a dozen torch ops a layer, each slower in a decode
-// step than alone (the step's ~200 MB of weights and keys evict the interpreter's data).
+// step than alone (the step's ~200 MB of weights and keys evict the interpreter's data). The
+// kernels are called on this object's own buffers rather than through their torch entry
+// points, whose conversions and temporaries (a dozen small tensors a layer) cost ~30 us a
+// layer, ~1 ms of a 30-layer step.
 #include "kernels.h"
 
 #include <cmath>
 #include <cstring>
 #include <optional>
 
+#include "bf16.h"
+
 namespace {
 
-// Row `col` of a [n_kv, capacity, D] buffer <- x [n_kv, 1, D] (any row strides).
-void write_column(torch::Tensor& buffer, const torch::Tensor& x, int64_t col) {
-  const int64_t n_kv = buffer.size(0), cap = buffer.size(1), D = buffer.size(2);
-  TORCH_CHECK(col >= 0 && col < cap, "window column out of range");
-  TORCH_CHECK(x.size(0) == n_kv && x.size(-1) == D && x.stride(-1) == 1, "key rows: [n_kv, 1, D]");
-  auto* dst = reinterpret_cast<uint16_t*>(buffer.data_ptr()) + col * D;
-  const auto* src = reinterpret_cast<const uint16_t*>(x.data_ptr());
-  for (int64_t h = 0; h < n_kv; ++h) std::memcpy(dst + h * cap * D, src + h * x.stride(0), D * 2);
+const uint16_t* bf16_data(const torch::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr());
 }
 
-// Element offsets [n_kv, 1] of each head's row `row` in a contiguous [n_kv, rows, D] buffer.
-torch::Tensor head_starts(const torch::Tensor& buffer, int64_t row) {
-  const int64_t n_kv = buffer.size(0), rows = buffer.size(1), D = buffer.size(2);
-  auto starts = torch::empty({n_kv, 1}, torch::kLong);
-  int64_t* p = starts.data_ptr<int64_t>();
-  for (int64_t h = 0; h < n_kv; ++h) p[h] = (h * rows + row) * D;
-  return starts;
+// n rows of D bf16 values `stride` apart in `x` ([n, 1, D] with any row stride), checked.
+const uint16_t* bf16_rows(const torch::Tensor& x, int64_t n, int64_t D, const char* what) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.size(0) == n &&
+                  x.size(1) == 1 && x.size(2) == D && x.stride(2) == 1,
+              what, ": bf16 [", n, ", 1, ", D, "] with contiguous rows");
+  return bf16_data(x);
+}
+
+// One position's rotation table: D bf16 values.
+const uint16_t* table(const torch::Tensor& t, int64_t D) {
+  TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.numel() == D && t.is_contiguous(),
+              "cos and sin: bf16 [1, D]");
+  return bf16_data(t);
 }
 
 }  // namespace
@@ -46,66 +51,121 @@ DecodeLayer::DecodeLayer(torch::Tensor win_k, torch::Tensor win_v, torch::Tensor
     TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == at::kBFloat16,
                 "window buffers: contiguous bf16 [n_kv, capacity, D]");
   }
-  TORCH_CHECK(sink_k_.is_contiguous() && sink_v_.is_contiguous(), "sink buffers: contiguous");
-  sink_starts_ = head_starts(sink_k_, 0);
+  const int64_t n_kv = win_k_.size(0), D = win_k_.size(2);
+  TORCH_CHECK(sink_k_.is_contiguous() && sink_v_.is_contiguous() &&
+                  sink_k_.scalar_type() == at::kBFloat16 && sink_v_.scalar_type() == at::kBFloat16 &&
+                  sink_k_.numel() == n_kv * sink_k_.size(1) * D && sink_v_.numel() == sink_k_.numel(),
+              "sink buffers: contiguous bf16 [n_kv, block, D]");
+  TORCH_CHECK(format_ >= 0 && format_ <= 2, "format 0, 1 or 2");
+  const auto pool_dtype = format_ == 0 ? at::kBFloat16 : at::kByte;
+  TORCH_CHECK(pool_k_.is_contiguous() && pool_v_.is_contiguous() &&
+                  pool_k_.scalar_type() == pool_dtype && pool_v_.scalar_type() == pool_dtype &&
+                  pool_k_.numel() >= n_kv * max_blocks_ * slot_unit_ &&
+                  pool_v_.numel() == pool_k_.numel(),
+              "block pools: contiguous, the kv dtype's elements or bytes, n_kv * max_blocks slots");
+  TORCH_CHECK(anchors_.dim() == 4 && anchors_.is_contiguous() && anchors_.size(1) == n_kv &&
+                  anchors_.size(3) == D &&
+                  (anchors_.scalar_type() == at::kBFloat16 || anchors_.scalar_type() == at::kFloat),
+              "anchors: contiguous fp32 or bf16 [n_blocks, n_kv, R, D]");
+  runs_.resize(n_kv);
 }
 
 std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::decode(
     torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
     torch::Tensor far_cos, torch::Tensor far_sin, int64_t col, int64_t ws, bool sinks,
     std::optional<torch::Tensor> known, int64_t first, int64_t last, int64_t budget) {
-  const int64_t n_kv = win_k_.size(0), D = win_k_.size(2), n_heads = q.size(0);
-  TORCH_CHECK(q.dim() == 3 && q.size(1) == 1 && q.size(2) == D, "one query token: [n_heads, 1, D]");
-  TORCH_CHECK(0 <= ws && ws <= col, "the window starts at or before the token");
-  auto qa = rotate(q, cos, sin);
-  auto ka = rotate(k, cos, sin);
-  // Extrapolated positions read the far sets with the query at a fixed distance; native ones
-  // with the query as it is (far_cos empty).
-  auto q_far = far_cos.numel() ? rotate(q, far_cos, far_sin) : qa;
-  write_column(win_k_, ka, col);
-  write_column(win_v_, v, col);
-  if (win_store_k_.data_ptr() != win_k_.data_ptr()) write_column(win_store_k_, k, col);
+  const int64_t n_kv = win_k_.size(0), cap = win_k_.size(1), D = win_k_.size(2);
+  const int64_t n_heads = q.size(0), G = n_heads / n_kv;
+  TORCH_CHECK(n_heads % n_kv == 0, "n_heads must be a multiple of n_kv");
+  const uint16_t* qp = bf16_rows(q, n_heads, D, "query");
+  const uint16_t* kp = bf16_rows(k, n_kv, D, "key");
+  const uint16_t* vp = bf16_rows(v, n_kv, D, "value");
+  TORCH_CHECK(0 <= ws && ws <= col && col < cap, "the window starts at or before the token, in the buffer");
+
+  // The rotations: qa for the window, qf for the far sets (extrapolated positions read them
+  // with the query at a fixed distance; native ones with the query as it is: far_cos empty).
+  qa_.resize(n_heads * D);
+  ka_.resize(n_kv * D);
+  const uint16_t *c = table(cos, D), *s = table(sin, D);
+  kvchat::rotate_rows(qp, n_heads, q.stride(0), D, c, s, qa_.data());
+  kvchat::rotate_rows(kp, n_kv, k.stride(0), D, c, s, ka_.data());
+  const uint16_t* qf = qa_.data();
+  if (far_cos.numel()) {
+    qf_.resize(n_heads * D);
+    kvchat::rotate_rows(qp, n_heads, q.stride(0), D, table(far_cos, D), table(far_sin, D),
+                        qf_.data());
+    qf = qf_.data();
+  }
+  // Key and value to window column col of each head.
+  auto* wk = reinterpret_cast<uint16_t*>(win_k_.data_ptr());
+  auto* wv = reinterpret_cast<uint16_t*>(win_v_.data_ptr());
+  auto* wsk = reinterpret_cast<uint16_t*>(win_store_k_.data_ptr());
+  for (int64_t h = 0; h < n_kv; ++h) {
+    const int64_t at = (h * cap + col) * D;
+    std::memcpy(wk + at, ka_.data() + h * D, D * 2);
+    std::memcpy(wv + at, vp + h * v.stride(0), D * 2);
+    if (wsk != wk) std::memcpy(wsk + at, kp + h * k.stride(0), D * 2);
+  }
+  // Both queries of each head group in fp32, [n_kv, 2, G, D], as the attention reads them.
+  q32_.resize(n_kv * 2 * G * D);
+  for (int64_t h = 0; h < n_kv; ++h)
+    for (int64_t qid = 0; qid < 2; ++qid) {
+      const uint16_t* src = (qid ? qf : qa_.data()) + h * G * D;
+      float* dst = q32_.data() + (h * 2 + qid) * G * D;
+      for (int64_t i = 0; i < G * D; ++i) dst[i] = kvchat::bf16_to_float(src[i]);
+    }
 
   // The blocks to read: the caller's (a reused selection, or none), else ranked here.
-  torch::Tensor blocks = known.value_or(torch::Tensor());
-  if (!known && budget > 0 && last > first)
-    blocks = select_blocks(q_far.view({n_heads, D}).to(torch::kFloat), anchors_, first, last,
-                           budget, quest_, shared_);
-  std::vector<torch::Tensor> ks{win_k_}, vs{win_v_}, starts{head_starts(win_k_, ws)};
-  std::vector<int64_t> qids{0}, strides{D}, rows{col + 1 - ws}, formats{0};
-  if (sinks) {
-    const int64_t block = sink_k_.size(1);
-    ks.push_back(sink_k_);
-    vs.push_back(sink_v_);
-    starts.push_back(sink_starts_);
-    qids.push_back(1);
-    strides.push_back(D);
-    rows.push_back(block);
-    formats.push_back(0);
-  }
-  if (blocks.defined() && blocks.size(-1)) {
-    // Block b of head h is store slot h * max_blocks + b, its run starting at slot * slot_unit
-    // (elements of FP16 blocks, bytes of quantized ones). A loop: as six torch ops these were
-    // ~2% of a 128K step (py-spy).
-    TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() <= 2, "block ids: int64 [k] or [n_kv, k]");
-    blocks = blocks.contiguous();
-    const int64_t k = blocks.size(-1), per_head = blocks.dim() == 2 ? k : 0;
-    const int64_t* ids = blocks.data_ptr<int64_t>();
-    auto runs = torch::empty({n_kv, k}, torch::kLong);
-    int64_t* p = runs.data_ptr<int64_t>();
-    for (int64_t h = 0; h < n_kv; ++h)
-      for (int64_t j = 0; j < k; ++j) p[h * k + j] = (h * max_blocks_ + ids[h * per_head + j]) * slot_unit_;
-    ks.push_back(pool_k_);
-    vs.push_back(pool_v_);
-    starts.push_back(runs);
-    qids.push_back(1);
-    strides.push_back(D);
-    rows.push_back(sink_k_.size(1));  // a block's rows, as the sink block's
-    formats.push_back(format_);
-  } else if (!blocks.defined()) {
+  torch::Tensor blocks;
+  if (known) {
+    blocks = known->contiguous();
+    TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() >= 1 && blocks.dim() <= 2 &&
+                    (blocks.dim() == 1 || blocks.size(0) == n_kv),
+                "block ids: int64 [k] or [n_kv, k]");
+  } else if (budget > 0 && last > first) {
+    TORCH_CHECK(0 <= first && last <= anchors_.size(0), "bad candidate range");
+    TORCH_CHECK(anchors_.size(2) == (quest_ ? 2 : 1), "QUEST needs 2 anchor rows, other types 1");
+    const int64_t n = std::min(budget, last - first);
+    blocks = torch::empty(shared_ ? std::vector<int64_t>{n} : std::vector<int64_t>{n_kv, n},
+                          torch::kLong);
+    qsel_.resize(n_heads * D);
+    for (int64_t i = 0; i < n_heads * D; ++i) qsel_[i] = kvchat::bf16_to_float(qf[i]);
+    kvchat::rank_blocks(qsel_.data(), n_heads, anchors_.data_ptr(),
+                        anchors_.scalar_type() == at::kBFloat16, n_kv, anchors_.size(2), D,
+                        first, last, n, quest_, shared_, blocks.data_ptr<int64_t>());
+  } else {
     blocks = torch::empty({0}, torch::kLong);
   }
-  auto out = decode_attention(qa, q_far, ks, vs, qids, strides, rows, starts, formats, n_kv,
-                              std::pow(static_cast<double>(D), -0.5));
+
+  // The sets: the window (query 0), the sinks and the blocks (query 1); block b of head h is
+  // store slot h * max_blocks + b, its run starting at slot * slot_unit (elements of FP16
+  // blocks, bytes of quantized ones).
+  const int64_t block = sink_k_.size(1);
+  sets_.clear();
+  sets_.push_back({win_k_.data_ptr(), win_v_.data_ptr(), 0, D});
+  if (sinks) sets_.push_back({sink_k_.data_ptr(), sink_v_.data_ptr(), 1, D});
+  const int pool = static_cast<int>(sets_.size());
+  sets_.push_back({pool_k_.data_ptr(), pool_v_.data_ptr(), 1, D,
+                   static_cast<kvchat::Format>(format_)});
+  const int64_t k_ids = blocks.dim() ? blocks.size(-1) : 0;
+  const int64_t per_head = blocks.dim() == 2 ? k_ids : 0;
+  const int64_t* ids = blocks.data_ptr<int64_t>();
+  for (int64_t h = 0; h < n_kv; ++h) {
+    auto& runs = runs_[h];
+    runs.clear();
+    runs.push_back({0, (h * cap + ws) * D, col + 1 - ws});
+    if (sinks) runs.push_back({1, h * block * D, block});
+    for (int64_t j = 0; j < k_ids; ++j) {
+      const int64_t id = ids[h * per_head + j];
+      TORCH_CHECK(0 <= id && id < max_blocks_, "block id ", id, " outside the store");
+      runs.push_back({pool, (h * max_blocks_ + id) * slot_unit_, block});
+    }
+  }
+  out32_.resize(n_heads * D);
+  kvchat::attend_sets(q32_.data(), n_kv, G, D, true, true, sets_, runs_,
+                      static_cast<float>(std::pow(static_cast<double>(D), -0.5)), out32_.data());
+  auto out = torch::empty({n_heads, 1, D}, q.options());
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  for (int64_t i = 0; i < n_heads * D; ++i) op[i] = kvchat::float_to_bf16(out32_[i]);
   return {out, blocks};
 }

@@ -8,6 +8,52 @@
 #include <tuple>
 #include <vector>
 
+namespace kvchat {
+
+// How a key set's rows are stored: in the kv dtype, or as a BlockPool's INT8 / INT4 byte rows.
+enum class Format : int64_t { Plain = 0, Int8 = 1, Int4 = 2 };
+
+// A key set: rows of head_dim elements in contiguous K and V sources, `stride` elements apart,
+// read with query 0 or query 1 (the local window's and the retrieved blocks' rotations differ).
+struct KeySet {
+  const void* k;
+  const void* v;
+  int qid;
+  int64_t stride;
+  // Quantized blocks: each run is a block of `rows` rows of values, followed by all their
+  // scales, then (INT4) all their minimums; `start` its byte offset. Dequantized a tile at a
+  // time into a buffer that the rest of the kernel reads like any other rows.
+  Format format = Format::Plain;
+};
+
+// `rows` rows of set `set` from element (or, quantized, byte) `start`.
+struct KeyRun {
+  int set;
+  int64_t start;
+  int64_t rows;
+};
+
+// decode_attention on raw buffers, for callers that hold them already: q fp32 [n_kv, 2, G, D]
+// (each KV head's group under query 0, then query 1), runs[h] the runs head h reads (at least
+// one, inside their sources: not checked here); writes out fp32 [n_kv, G, D]. bf16: the
+// sources hold bf16 (else fp32); bf16_queries: the queries are bf16 values (exact in bf16).
+void attend_sets(const float* q, int64_t n_kv, int64_t G, int64_t D, bool bf16, bool bf16_queries,
+                 const std::vector<KeySet>& sets, const std::vector<std::vector<KeyRun>>& runs,
+                 float scale, float* out);
+
+// select_blocks on raw buffers: q fp32 [n_heads, D], anchors [n_blocks, n_kv, R, D] (bf16 when
+// `bf16`, else fp32); writes k = min(k, last - first) ids ascending per ranking ([k] shared,
+// [n_kv, k] otherwise) to out and returns k.
+int64_t rank_blocks(const float* q, int64_t n_heads, const void* anchors, bool bf16, int64_t n_kv,
+                    int64_t R, int64_t D, int64_t first, int64_t last, int64_t k, bool quest,
+                    bool shared, int64_t* out);
+
+// rotate for one position: rows of D bf16 values x -> out (rotated with cos, sin: D each).
+void rotate_rows(const uint16_t* x, int64_t rows, int64_t x_stride, int64_t D,
+                 const uint16_t* cos, const uint16_t* sin, uint16_t* out);
+
+}  // namespace kvchat
+
 torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
                                std::vector<torch::Tensor> k_srcs, std::vector<torch::Tensor> v_srcs,
                                std::vector<int64_t> qids, std::vector<int64_t> strides,
@@ -36,7 +82,12 @@ class DecodeLayer {
 
  private:
   torch::Tensor win_k_, win_v_, win_store_k_, sink_k_, sink_v_, pool_k_, pool_v_, anchors_;
-  torch::Tensor sink_starts_;  // each head's first sink row in the sink buffers
   int64_t format_, slot_unit_, max_blocks_;
   bool quest_, shared_;
+  // A step's working buffers, kept between calls: the rotated query (window, far) and key,
+  // the queries and output in fp32, the selection's query, the key sets and each head's runs.
+  std::vector<uint16_t> qa_, qf_, ka_;
+  std::vector<float> q32_, out32_, qsel_;
+  std::vector<kvchat::KeySet> sets_;
+  std::vector<std::vector<kvchat::KeyRun>> runs_;
 };

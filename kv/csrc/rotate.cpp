@@ -5,6 +5,7 @@
 #include <torch/extension.h>
 
 #include "bf16.h"
+#include "kernels.h"
 #include "rows.h"
 
 namespace {
@@ -47,4 +48,9 @@ torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
     rotate_row(xp + r * D, cp + t * D, sp + t * D, D / 2, op + r * D);
   });
   return out;
+}
+
+void kvchat::rotate_rows(const uint16_t* x, int64_t rows, int64_t x_stride, int64_t D,
+                         const uint16_t* cos, const uint16_t* sin, uint16_t* out) {
+  for (int64_t r = 0; r < rows; ++r) rotate_row(x + r * x_stride, cos, sin, D / 2, out + r * D);
 }

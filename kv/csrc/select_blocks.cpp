@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "bf16.h"
+#include "kernels.h"
 
 namespace {
 
@@ -74,16 +75,25 @@ torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t firs
   TORCH_CHECK(bf16 || anchors.scalar_type() == at::kFloat, "fp32 or bf16 anchors");
   TORCH_CHECK(anchors.dim() == 4 && anchors.is_contiguous(), "anchors: [n_blocks, n_kv, R, D]");
   const int64_t n_kv = anchors.size(1), R = anchors.size(2), D = anchors.size(3);
-  const int64_t n_heads = q.size(0), G = n_heads / n_kv, width = R * D;
+  const int64_t n_heads = q.size(0);
   TORCH_CHECK(q.dim() == 2 && q.size(1) == D && n_heads % n_kv == 0, "q: [n_heads, D]");
   TORCH_CHECK(R == (quest ? 2 : 1), "QUEST needs 2 anchor rows, other types 1");
   TORCH_CHECK(0 <= first && first <= last && last <= anchors.size(0), "bad candidate range");
-  const int64_t n = last - first;
+  k = std::min(k, last - first);
+  auto out = torch::empty(shared ? std::vector<int64_t>{k} : std::vector<int64_t>{n_kv, k},
+                          torch::kLong);
+  kvchat::rank_blocks(q.contiguous().data_ptr<float>(), n_heads, anchors.data_ptr(), bf16, n_kv,
+                      R, D, first, last, k, quest, shared, out.data_ptr<int64_t>());
+  return out;
+}
+
+int64_t kvchat::rank_blocks(const float* qp, int64_t n_heads, const void* anchors, bool bf16,
+                            int64_t n_kv, int64_t R, int64_t D, int64_t first, int64_t last,
+                            int64_t k, bool quest, bool shared, int64_t* op) {
+  const int64_t G = n_heads / n_kv, width = R * D, n = last - first;
   k = std::min(k, n);
   // Weights [n_kv, R * D]: the group's summed (bound) weights.
   std::vector<float> w(n_kv * width, 0.f);
-  auto qc = q.contiguous();
-  const float* qp = qc.data_ptr<float>();
   for (int64_t h = 0; h < n_heads; ++h) {
     float* wh = w.data() + (h / G) * width;
     for (int64_t d = 0; d < D; ++d) {
@@ -100,13 +110,11 @@ torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t firs
   std::vector<float> scores(rankings * n);
   const int64_t offset = first * n_kv * width;
   if (bf16)
-    score(reinterpret_cast<const uint16_t*>(anchors.data_ptr<at::BFloat16>()) + offset, w.data(),
-          n, n_kv, width, shared, scores.data());
+    score(static_cast<const uint16_t*>(anchors) + offset, w.data(), n, n_kv, width, shared,
+          scores.data());
   else
-    score(anchors.data_ptr<float>() + offset, w.data(), n, n_kv, width, shared, scores.data());
-  auto out = torch::empty(shared ? std::vector<int64_t>{k} : std::vector<int64_t>{n_kv, k},
-                          torch::kLong);
-  int64_t* op = out.data_ptr<int64_t>();
+    score(static_cast<const float*>(anchors) + offset, w.data(), n, n_kv, width, shared,
+          scores.data());
   std::vector<int64_t> idx(n);
   for (int64_t r = 0; r < rankings; ++r) {
     const float* sr = scores.data() + r * n;
@@ -118,5 +126,5 @@ torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t firs
     std::sort(idx.begin(), idx.begin() + k);
     for (int64_t i = 0; i < k; ++i) op[r * k + i] = first + idx[i];
   }
-  return out;
+  return k;
 }
