@@ -4,12 +4,14 @@
 // per KV head) that stream keys at a fraction of the memory bandwidth. Here each KV head's
 // keys are read in place (the local window, the sinks, the block store), 128 rows at a time
 // with the next 128 prefetched, scored by the head's query group and folded into an fp32
-// online softmax, so every byte of K and V is read from DRAM once. With AVX512-BF16 the
-// kernel is bound by its vector instructions (Zen 4 runs 512-bit ones at half rate), so bf16
-// keys are scored by bf16 pair-product instructions, and values are accumulated by them too,
-// with the probabilities rounded to bf16 (a relative 2^-9, below the bf16 output's own
-// rounding). 30 layers of a 128K decode step: 10.3 ms of attention with fp32 arithmetic,
-// ~7 ms with pair-product scores, ~6.6 ms with pair-product values as well (Zen 4). The next
+// online softmax, so every byte of K and V is read from DRAM once. The kernel is bound by its
+// vector instructions, so bf16 keys and values are not widened into a buffer: on Zen 4 (which
+// runs 512-bit instructions at half rate) bf16 pair-product instructions score the keys and
+// accumulate the values, with the probabilities rounded to bf16 (a relative 2^-9, below the
+// bf16 output's own rounding); 30 layers of a 128K decode step: 10.3 ms of attention with
+// fp32 arithmetic on widened rows, ~7 ms with pair-product scores, ~6.6 ms with pair-product
+// values as well. On Intel's cores, where pair products are slow, fp32 FMAs read the bf16
+// rows widened in registers (a 32-bit word's two bf16 halves by a shift and a mask). The next
 // tile's rows are prefetched to L2 rather than L1, which a tile's K and V, their value pairs
 // and the next tile's rows overflow: 30 layers of a 128K step replayed on the Xeon, 10.8 ->
 // 10.3 ms.
@@ -33,14 +35,36 @@
 #include "bf16.h"
 #include "kernels.h"
 
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#define KVCHAT_AVX512 1
+#else
+#define KVCHAT_AVX512 0
+#endif
+
+#if defined(__AVX512BF16__)
 #define KVCHAT_DPBF16 1
 #else
 #define KVCHAT_DPBF16 0
 #endif
 
+// Pair products (32 a 512-bit instruction) beat FMAs (16) where vdpbf16ps issues as fast as an
+// FMA: Zen 4. Intel's cores with AMX issue it at a quarter of an FMA's rate (this Xeon: 1.23
+// against 0.31 ns an instruction, independent chains), and there the FMAs on widened keys are
+// faster (a 128K step's 30 attention calls, hot: 209 -> 150 us a layer; in the model, the two
+// builds alternated in one process: 23.0 -> 19.8 ms a step).
+#if defined(__AMX_BF16__)
+#define PAIR_PRODUCTS_FASTER 0
+#else
+#define PAIR_PRODUCTS_FASTER 1
+#endif
+
 namespace {
+
+// How a tile's products are computed: fp32 on rows widened a tile at a time (any CPU, any
+// dtype), fp32 FMAs on bf16 rows widened in registers (AVX-512), or bf16 pair products
+// (AVX512-BF16).
+enum class Math { Scalar, Fma, PairProducts };
 
 constexpr int64_t TILE = 128;
 static_assert(TILE % 2 == 0, "accumulate_dpbf16 interleaves a tile's rows in pairs");
@@ -175,19 +199,204 @@ void dequant_int4(const uint8_t* block, int64_t rows, int64_t t0, int64_t tn, T*
   }
 }
 
+#if KVCHAT_AVX512
+// exp(x) for 16 values at once (Cephes' expf: a degree-6 polynomial on x - n ln 2, times 2^n;
+// within 2 ulp). GCC vectorises std::exp in a loop (through glibc's libmvec) or not depending on
+// the code around it: one variant of this file called scalar expf per score, a quarter of the
+// kernel's time.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // exp is 0 in fp32 below, and n stays small
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  return _mm512_scalef_ps(p, n);
+}
+
+// Lanes 0 .. min(n, 16) - 1.
+inline __mmask16 first_lanes(int64_t n) {
+  return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// The tile's softmax numerators in place: s[t] = exp(s[t] - mx), rounded to bf16 for the pair
+// products; their sum.
+template <bool ROUND_BF16>
+float exp_sum(float* s, int64_t n, float mx) {
+  const __m512 m = _mm512_set1_ps(mx);
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = first_lanes(n - t);
+    __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m));
 #if KVCHAT_DPBF16
-// Lane i of the result: the sum of v[i]'s 16 lanes (a transposing add tree, 45 instructions
-// for 16 rows instead of a horizontal reduction per row).
-inline __m512 sum_lanes16(const __m512* v) {
-  __m512 p[8], q[4], r[2];
-  for (int i = 0; i < 8; ++i)
+    // Round to nearest even bf16 and back (vcvtneps2bf16 flushes subnormals: those
+    // probabilities are below any bf16 output's resolution anyway).
+    if constexpr (ROUND_BF16)
+      p = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p)), 16));
+#endif
+    _mm512_mask_storeu_ps(s + t, k, p);
+    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, p));
+  }
+  return _mm512_reduce_add_ps(sum);
+}
+
+inline float max_of(const float* s, int64_t n, float start) {
+  __m512 m = _mm512_set1_ps(start);
+  for (int64_t t = 0; t < n; t += 16) {
+    const __mmask16 k = first_lanes(n - t);
+    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, s + t));
+  }
+  return _mm512_reduce_max_ps(m);
+}
+
+// The first two levels of a transposing add tree over N vectors (rows): lane 4 L + j of q[i]
+// holds row 4 i + j's sum over its 128-bit lane L.
+template <int N>
+void fold_lanes(const __m512* v, __m512* q) {
+  __m512 p[N / 2];
+  for (int i = 0; i < N / 2; ++i)
     p[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]),
                          _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < N / 4; ++i) {
     const __m512d a = _mm512_castps_pd(p[2 * i]), b = _mm512_castps_pd(p[2 * i + 1]);
     q[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)),
                          _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
   }
+}
+
+// Lane i (< 8) of the result: the sum of v[i]'s 16 lanes.
+inline __m256 sum_lanes8(const __m512* v) {
+  __m512 q[2];
+  fold_lanes<8>(v, q);
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_f32x4(q[0], q[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  // r: [rows 0-3 (L0 + L1), rows 0-3 (L2 + L3), rows 4-7 (L0 + L1), rows 4-7 (L2 + L3)]
+  const __m512 t = _mm512_add_ps(r, _mm512_shuffle_f32x4(r, r, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_castps512_ps256(_mm512_shuffle_f32x4(t, t, _MM_SHUFFLE(2, 0, 2, 0)));
+}
+
+// bf16 values 2i (even) and 2i + 1 (odd) of 32 as fp32: a word's low and high halves.
+inline __m512 even_values(__m512i x) { return _mm512_castsi512_ps(_mm512_slli_epi32(x, 16)); }
+inline __m512 odd_values(__m512i x) {
+  return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// scores_fma for N (<= 3) queries: 8 key rows at a time, each widened once for all N.
+template <int D, int N>
+void scores_fma_group(const float* qs, const uint16_t* kb, int64_t stride, int64_t tn, float scale,
+                      const Ahead& ahead, bool first, float* s) {
+  constexpr int W = D / 32;
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < tn; t0 += 8) {
+    const int64_t n = std::min<int64_t>(8, tn - t0);
+    __m512 acc[N][8];
+    for (int g = 0; g < N; ++g)
+      for (int r = 0; r < 8; ++r) acc[g][r] = _mm512_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < 8; ++r) {
+      if (first) prefetch_row(ahead.k, ahead, t0 + r);
+      if (r < n) {
+        const uint16_t* row = kb + (t0 + r) * stride;
+#pragma GCC unroll 8
+        for (int j = 0; j < W; ++j) {
+          const __m512i x = _mm512_loadu_si512(row + 32 * j);
+          const __m512 e = even_values(x), o = odd_values(x);
+          for (int g = 0; g < N; ++g) {
+            acc[g][r] = _mm512_fmadd_ps(e, _mm512_loadu_ps(qs + g * D + 32 * j), acc[g][r]);
+            acc[g][r] = _mm512_fmadd_ps(o, _mm512_loadu_ps(qs + g * D + 32 * j + 16), acc[g][r]);
+          }
+        }
+      }
+    }
+    for (int g = 0; g < N; ++g)
+      _mm256_mask_storeu_ps(s + g * TILE + t0, static_cast<__mmask8>((1u << n) - 1),
+                            _mm256_mul_ps(sum_lanes8(acc[g]), sc));
+  }
+}
+
+// Scores of tn bf16 key rows for the G queries, straight from the keys' memory: each 32-bit word
+// of a row holds two bf16 values, which a shift and a mask make fp32 (its even and its odd
+// element), multiplied by the queries' matching elements in fp32 FMAs. qs: the queries split
+// as the keys are, per 32-value chunk its 16 even then its 16 odd values.
+template <int D>
+void scores_fma(const float* qs, int G, const uint16_t* kb, int64_t stride, int64_t tn, float scale,
+                const Ahead& ahead, float* s) {
+  for (int g = 0; g < G; g += 3) {
+    const float* qg = qs + g * D;
+    float* sg = s + g * TILE;
+    switch (std::min(3, G - g)) {
+      case 3: scores_fma_group<D, 3>(qg, kb, stride, tn, scale, ahead, g == 0, sg); break;
+      case 2: scores_fma_group<D, 2>(qg, kb, stride, tn, scale, ahead, g == 0, sg); break;
+      default: scores_fma_group<D, 1>(qg, kb, stride, tn, scale, ahead, g == 0, sg); break;
+    }
+  }
+}
+
+// accumulate_fma for N queries.
+template <int D, int N>
+void accumulate_fma_group(const float* p, const uint16_t* vb, int64_t stride, int64_t tn,
+                          const Ahead& ahead, bool first, float* acc) {
+  constexpr int W = D / 32;
+  __m512 a[N][2 * W];
+  for (int g = 0; g < N; ++g)
+    for (int j = 0; j < 2 * W; ++j) a[g][j] = _mm512_loadu_ps(acc + g * D + 16 * j);
+  for (int64_t t = 0; t < tn; ++t) {
+    if (first) prefetch_row(ahead.v, ahead, t);
+    const uint16_t* row = vb + t * stride;
+    __m512 w[N];
+    for (int g = 0; g < N; ++g) w[g] = _mm512_set1_ps(p[g * TILE + t]);
+#pragma GCC unroll 8
+    for (int j = 0; j < W; ++j) {
+      const __m512i x = _mm512_loadu_si512(row + 32 * j);
+      const __m512 e = even_values(x), o = odd_values(x);
+      for (int g = 0; g < N; ++g) {
+        a[g][2 * j] = _mm512_fmadd_ps(w[g], e, a[g][2 * j]);
+        a[g][2 * j + 1] = _mm512_fmadd_ps(w[g], o, a[g][2 * j + 1]);
+      }
+    }
+  }
+  for (int g = 0; g < N; ++g)
+    for (int j = 0; j < 2 * W; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, a[g][j]);
+}
+
+// acc[g] += sum over the tile's rows of p[g][t] * v[t] in fp32 FMAs on the rows widened as
+// scores_fma widens keys; acc holds each chunk's even outputs, then its odd ones (fma_slot).
+template <int D>
+void accumulate_fma(const float* p, int G, const uint16_t* vb, int64_t stride, int64_t tn,
+                    const Ahead& ahead, float* acc) {
+  constexpr int B = D <= 128 ? 3 : 1;
+  for (int g = 0; g < G; g += B) {
+    const float* pg = p + g * TILE;
+    float* ag = acc + g * D;
+    switch (std::min(B, G - g)) {
+      case 3: accumulate_fma_group<D, 3>(pg, vb, stride, tn, ahead, g == 0, ag); break;
+      case 2: accumulate_fma_group<D, 2>(pg, vb, stride, tn, ahead, g == 0, ag); break;
+      default: accumulate_fma_group<D, 1>(pg, vb, stride, tn, ahead, g == 0, ag); break;
+    }
+  }
+}
+
+// Where accumulate_fma keeps output element d: per 32-value chunk, the even elements in the
+// first vector and the odd ones in the second.
+inline int64_t fma_slot(int64_t d) {
+  const int64_t r = d & 31;
+  return (d & ~31) + ((r & 1) << 4) + (r >> 1);
+}
+#endif
+
+#if KVCHAT_DPBF16
+// Lane i of the result: the sum of v[i]'s 16 lanes (a transposing add tree, 45 instructions
+// for 16 rows instead of a horizontal reduction per row).
+inline __m512 sum_lanes16(const __m512* v) {
+  __m512 q[4], r[2];
+  fold_lanes<16>(v, q);
   for (int i = 0; i < 2; ++i)
     r[i] = _mm512_add_ps(_mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
                          _mm512_shuffle_f32x4(q[2 * i], q[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
@@ -271,66 +480,26 @@ void accumulate_dpbf16(const float* p, int G, const uint16_t* vb, int64_t stride
     for (int j = 0; j < 2 * W; ++j) _mm512_storeu_ps(acc + g * D + 16 * j, a[j]);
   }
 }
-#endif
-
-#if KVCHAT_DPBF16
-// exp(x) for 16 values at once (Cephes' expf: a degree-6 polynomial on x - n ln 2, times 2^n;
-// within 2 ulp). GCC vectorises std::exp in a loop (through glibc's libmvec) or not depending on
-// the code around it: one variant of this file called scalar expf per score, a quarter of the
-// kernel's time.
-inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // exp is 0 in fp32 below, and n stays small
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-  return _mm512_scalef_ps(p, n);
-}
-
-// Lanes 0 .. min(n, 16) - 1.
-inline __mmask16 first_lanes(int64_t n) {
-  return n >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
-}
-
-// The tile's softmax numerators in place: s[t] = exp(s[t] - mx) rounded to bf16; their sum.
-inline float exp_bf16_sum(float* s, int64_t n, float mx) {
-  const __m512 m = _mm512_set1_ps(mx);
-  __m512 sum = _mm512_setzero_ps();
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 k = first_lanes(n - t);
-    const __m512 p = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + t), m));
-    // Round to nearest even bf16 and back (vcvtneps2bf16 flushes subnormals: those
-    // probabilities are below any bf16 output's resolution anyway).
-    const __m512 pr = _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(p)), 16));
-    _mm512_mask_storeu_ps(s + t, k, pr);
-    sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, pr));
-  }
-  return _mm512_reduce_add_ps(sum);
-}
-
-inline float max_of(const float* s, int64_t n, float start) {
-  __m512 m = _mm512_set1_ps(start);
-  for (int64_t t = 0; t < n; t += 16) {
-    const __mmask16 k = first_lanes(n - t);
-    m = _mm512_mask_max_ps(m, k, m, _mm512_maskz_loadu_ps(k, s + t));
-  }
-  return _mm512_reduce_max_ps(m);
-}
-#endif
 
 // Where accumulate_dpbf16 keeps output element d: per 32-value chunk, the unpacks put
 // elements 8L+0..3 of each 128-bit lane L in the first vector and 8L+4..7 in the second.
 inline int64_t dpbf16_slot(int64_t d) {
   const int64_t r = d & 31;
   return (d & ~31) + (((r >> 2) & 1) << 4) + ((r >> 3) << 2) + (r & 3);
+}
+#endif
+
+
+// Where the paths keep output element d in their accumulators.
+template <Math M>
+int64_t slot(int64_t d) {
+#if KVCHAT_AVX512
+  if constexpr (M == Math::Fma) return fma_slot(d);
+#endif
+#if KVCHAT_DPBF16
+  if constexpr (M == Math::PairProducts) return dpbf16_slot(d);
+#endif
+  return d;
 }
 
 // The tile's tn rows as fp32 in `tile`, prefetching the matching rows of `next` (the next
@@ -347,13 +516,20 @@ void widen_rows(const T* src, int64_t stride, int64_t tn, const char* next, cons
 
 // Online softmax over this head's runs [r0, r1); writes the running max, sum and
 // unnormalised output of each query of the group.
-template <typename T, int D, bool DP>
+template <typename T, int D, Math M>
 void attend(const float* q, int G, const std::vector<KeySet>& sets, const KeyRun* runs, int64_t n_runs,
             float scale, float* m, float* l, float* acc) {
-  std::vector<float> s(G * TILE), tile(DP ? 0 : TILE * D);
-  std::vector<uint16_t> pairs(DP ? TILE * D : 0);
+  std::vector<float> s(G * TILE), tile(M == Math::Scalar ? TILE * D : 0);
+  std::vector<uint16_t> pairs(M == Math::PairProducts ? TILE * D : 0);
+  // The queries as the fast paths read them: split into even and odd values per 32-value
+  // chunk (FMA), or rounded to bf16 (pair products: exact for the model's bf16 queries).
+  std::vector<float> qs(M == Math::Fma ? 2 * G * D : 0);
+  for (size_t i = 0; i < qs.size(); ++i) {
+    const size_t chunk = i / 32, k = i % 32;
+    qs[i] = q[chunk * 32 + (k < 16 ? 2 * k : 2 * (k - 16) + 1)];
+  }
 #if KVCHAT_DPBF16
-  std::vector<__m512bh> qb(DP ? 2 * G * D / 32 : 0);
+  std::vector<__m512bh> qb(M == Math::PairProducts ? 2 * G * D / 32 : 0);
   for (size_t i = 0; i < qb.size(); ++i)
     qb[i] = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(q + 32 * i + 16), _mm512_loadu_ps(q + 32 * i));
 #endif
@@ -416,7 +592,12 @@ void attend(const float* q, int G, const std::vector<KeySet>& sets, const KeyRun
         vb = vq.data();
         stride = D;
       }
-      if constexpr (DP) {
+      if constexpr (M == Math::Fma) {
+#if KVCHAT_AVX512
+        scores_fma<D>(qs.data() + set.qid * G * D, G, reinterpret_cast<const uint16_t*>(kb),
+                      stride, tn, scale, ahead, s.data());
+#endif
+      } else if constexpr (M == Math::PairProducts) {
 #if KVCHAT_DPBF16
         scores_dpbf16<D>(qb.data() + set.qid * G * D / 32, G,
                          reinterpret_cast<const uint16_t*>(kb), stride, tn, scale, ahead,
@@ -440,10 +621,10 @@ void attend(const float* q, int G, const std::vector<KeySet>& sets, const KeyRun
         float* sg = s.data() + g * TILE;
         float mx = m[g];
         float sum = 0.f;
-        if constexpr (DP) {
-#if KVCHAT_DPBF16
+        if constexpr (M != Math::Scalar) {
+#if KVCHAT_AVX512
           mx = max_of(sg, tn, mx);
-          sum = exp_bf16_sum(sg, tn, mx);
+          sum = exp_sum<M == Math::PairProducts>(sg, tn, mx);
 #endif
         } else {
           for (int64_t t = 0; t < tn; ++t) mx = std::max(mx, sg[t]);
@@ -460,7 +641,12 @@ void attend(const float* q, int G, const std::vector<KeySet>& sets, const KeyRun
         float* a = acc + g * D;
         for (int d = 0; d < D; ++d) a[d] *= corr;
       }
-      if constexpr (DP) {
+      if constexpr (M == Math::Fma) {
+#if KVCHAT_AVX512
+        accumulate_fma<D>(s.data(), G, reinterpret_cast<const uint16_t*>(vb), stride, tn, ahead,
+                          acc);
+#endif
+      } else if constexpr (M == Math::PairProducts) {
 #if KVCHAT_DPBF16
         accumulate_dpbf16<D>(s.data(), G, reinterpret_cast<const uint16_t*>(vb), stride, tn,
                              ahead, pairs.data(), acc);
@@ -484,7 +670,7 @@ void attend(const float* q, int G, const std::vector<KeySet>& sets, const KeyRun
   }
 }
 
-template <typename T, int D, bool DP>
+template <typename T, int D, Math M>
 void attend_heads(const float* q, int64_t n_kv, int G, const std::vector<KeySet>& sets,
                   const std::vector<std::vector<KeyRun>>& runs, float scale, float* out) {
   // Each head's runs are cut into `splits` parts of about equal rows, so that 2 threads share
@@ -510,7 +696,7 @@ void attend_heads(const float* q, int64_t n_kv, int G, const std::vector<KeySet>
     for (int64_t task = lo; task < hi; ++task) {
       const int64_t h = task / splits, part = task % splits;
       const int64_t r0 = cut[h][part], r1 = cut[h][part + 1];
-      attend<T, D, DP>(q + h * 2 * G * D, G, sets, runs[h].data() + r0, r1 - r0, scale,
+      attend<T, D, M>(q + h * 2 * G * D, G, sets, runs[h].data() + r0, r1 - r0, scale,
                    &ms[task * G], &ls[task * G], &accs[task * G * D]);
     }
   });
@@ -527,20 +713,23 @@ void attend_heads(const float* q, int64_t n_kv, int G, const std::vector<KeySet>
         l += w * ls[task * G + g];
         for (int d = 0; d < D; ++d) o[d] += w * accs[(task * G + g) * D + d];
       }
-      for (int d = 0; d < D; ++d) out[(h * G + g) * D + d] = o[DP ? dpbf16_slot(d) : d] / l;
+      for (int d = 0; d < D; ++d) out[(h * G + g) * D + d] = o[slot<M>(d)] / l;
     }
   }
 }
 
 template <int D>
-void dispatch(bool bf16, bool dp, const float* q, int64_t n_kv, int G, const std::vector<KeySet>& sets,
-              const std::vector<std::vector<KeyRun>>& runs, float scale, float* out) {
-  if (dp)
-    attend_heads<uint16_t, D, true>(q, n_kv, G, sets, runs, scale, out);
-  else if (bf16)
-    attend_heads<uint16_t, D, false>(q, n_kv, G, sets, runs, scale, out);
+void dispatch(bool bf16, Math math, const float* q, int64_t n_kv, int G,
+              const std::vector<KeySet>& sets, const std::vector<std::vector<KeyRun>>& runs,
+              float scale, float* out) {
+  if (!bf16)
+    attend_heads<float, D, Math::Scalar>(q, n_kv, G, sets, runs, scale, out);
+  else if (math == Math::Fma)
+    attend_heads<uint16_t, D, Math::Fma>(q, n_kv, G, sets, runs, scale, out);
+  else if (math == Math::PairProducts)
+    attend_heads<uint16_t, D, Math::PairProducts>(q, n_kv, G, sets, runs, scale, out);
   else
-    attend_heads<float, D, false>(q, n_kv, G, sets, runs, scale, out);
+    attend_heads<uint16_t, D, Math::Scalar>(q, n_kv, G, sets, runs, scale, out);
 }
 
 }  // namespace
@@ -608,15 +797,19 @@ torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
 void kvchat::attend_sets(const float* q, int64_t n_kv, int64_t G, int64_t D, bool bf16,
                          bool bf16_queries, const std::vector<KeySet>& sets,
                          const std::vector<std::vector<KeyRun>>& runs, float scale, float* out) {
-  // bf16 queries and keys: pair products in bf16 instructions are exact, so the fast path's
-  // scores differ from converting both to fp32 only in the order of the fp32 sums.
-  const bool dp = KVCHAT_DPBF16 && bf16 && bf16_queries;
+  // Pair products are exact for bf16 queries and keys, so their scores differ from converting
+  // both to fp32 only in the order of the fp32 sums; the widened keys' FMAs are exact for any.
+  Math math = Math::Scalar;
+  if (KVCHAT_DPBF16 && PAIR_PRODUCTS_FASTER && bf16_queries)
+    math = Math::PairProducts;
+  else if (KVCHAT_AVX512)
+    math = Math::Fma;
   const int g = static_cast<int>(G);
   switch (D) {
-    case 32: dispatch<32>(bf16, dp, q, n_kv, g, sets, runs, scale, out); break;
-    case 64: dispatch<64>(bf16, dp, q, n_kv, g, sets, runs, scale, out); break;
-    case 128: dispatch<128>(bf16, dp, q, n_kv, g, sets, runs, scale, out); break;
-    case 256: dispatch<256>(bf16, dp, q, n_kv, g, sets, runs, scale, out); break;
+    case 32: dispatch<32>(bf16, math, q, n_kv, g, sets, runs, scale, out); break;
+    case 64: dispatch<64>(bf16, math, q, n_kv, g, sets, runs, scale, out); break;
+    case 128: dispatch<128>(bf16, math, q, n_kv, g, sets, runs, scale, out); break;
+    case 256: dispatch<256>(bf16, math, q, n_kv, g, sets, runs, scale, out); break;
     default: TORCH_CHECK(false, "head_dim must be 32, 64, 128 or 256, got ", D);
   }
 }
