@@ -288,7 +288,8 @@ inline __m512 odd_values(__m512i x) {
   return _mm512_castsi512_ps(_mm512_and_si512(x, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
 }
 
-// scores_fma for N (<= 3) queries: 8 key rows at a time, each widened once for all N.
+// scores_fma for N (<= 3) queries: 8 key rows at a time, each widened once for all N; the
+// first group of queries (`first`) prefetches the next tile's rows.
 template <int D, int N>
 void scores_fma_group(const float* qs, const uint16_t* kb, int64_t stride, int64_t tn, float scale,
                       const Ahead& ahead, bool first, float* s) {
@@ -339,7 +340,7 @@ void scores_fma(const float* qs, int G, const uint16_t* kb, int64_t stride, int6
   }
 }
 
-// accumulate_fma for N queries.
+// accumulate_fma for N queries; the first group (`first`) prefetches the next tile's rows.
 template <int D, int N>
 void accumulate_fma_group(const float* p, const uint16_t* vb, int64_t stride, int64_t tn,
                           const Ahead& ahead, bool first, float* acc) {

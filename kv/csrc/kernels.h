@@ -42,9 +42,9 @@ void attend_sets(const float* q, int64_t n_kv, int64_t G, int64_t D, bool bf16, 
                  float scale, float* out);
 
 // select_blocks on raw buffers: q fp32 [n_heads, D], anchors [n_blocks, n_kv, R, D] (bf16 when
-// `bf16`, else fp32); writes k = min(k, last - first) ids ascending per ranking ([k] shared,
-// [n_kv, k] otherwise) to out and returns k.
-int64_t rank_blocks(const float* q, int64_t n_heads, const void* anchors, bool bf16, int64_t n_kv,
+// `bf16`, else fp32); writes k (<= last - first) ids ascending per ranking ([k] shared,
+// [n_kv, k] otherwise) to out.
+void rank_blocks(const float* q, int64_t n_heads, const void* anchors, bool bf16, int64_t n_kv,
                     int64_t R, int64_t D, int64_t first, int64_t last, int64_t k, bool quest,
                     bool shared, int64_t* out);
 

@@ -87,11 +87,11 @@ torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t firs
   return out;
 }
 
-int64_t kvchat::rank_blocks(const float* qp, int64_t n_heads, const void* anchors, bool bf16,
-                            int64_t n_kv, int64_t R, int64_t D, int64_t first, int64_t last,
-                            int64_t k, bool quest, bool shared, int64_t* op) {
+void kvchat::rank_blocks(const float* qp, int64_t n_heads, const void* anchors, bool bf16,
+                         int64_t n_kv, int64_t R, int64_t D, int64_t first, int64_t last,
+                         int64_t k, bool quest, bool shared, int64_t* op) {
   const int64_t G = n_heads / n_kv, width = R * D, n = last - first;
-  k = std::min(k, n);
+  TORCH_CHECK(k <= n, "more blocks asked for than there are candidates");
   // Weights [n_kv, R * D]: the group's summed (bound) weights.
   std::vector<float> w(n_kv * width, 0.f);
   for (int64_t h = 0; h < n_heads; ++h) {
@@ -126,5 +126,4 @@ int64_t kvchat::rank_blocks(const float* qp, int64_t n_heads, const void* anchor
     std::sort(idx.begin(), idx.begin() + k);
     for (int64_t i = 0; i < k; ++i) op[r * k + i] = first + idx[i];
   }
-  return k;
 }
