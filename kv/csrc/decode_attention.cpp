@@ -490,7 +490,6 @@ inline int64_t dpbf16_slot(int64_t d) {
 }
 #endif
 
-
 // Where the paths keep output element d in their accumulators.
 template <Math M>
 int64_t slot(int64_t d) {
