@@ -26,6 +26,7 @@ SOURCES = [
         "select_blocks.cpp",
         "rotate.cpp",
         "decode_layer.cpp",
+        "block_lru.cpp",
     )
 ]
 # How decode_attention's sets are stored (the kernel's Format).
@@ -102,6 +103,8 @@ def decode_layer(
     anchors: torch.Tensor,
     anchor_type: str,
     mode: str,
+    lru: Any,
+    layer: int,
 ) -> Any:
     """A layer's decode attention in one call (kv/csrc/decode_layer.cpp) over these buffers:
     the bf16 window buffers [n_kv, capacity, D] (win_store_k the same tensor when
@@ -111,7 +114,8 @@ def decode_layer(
     Its decode(q, k, v, cos, sin, far_cos, far_sin, col, ws, sinks, known, first, last, budget)
     rotates q and k (far_cos empty: q_far is the rotated q), writes the key and value to window
     column col, reads the blocks `known` ([k] or [n_kv, k]; None with budget 0: none) or else
-    the top `budget` of candidates first..last-1, and returns (out [n_heads, 1, D], blocks).
+    the top `budget` of candidates first..last-1, counts the blocks it reads as `layer`'s in
+    the BlockLru `lru` (None: not counted), and returns (out [n_heads, 1, D], blocks).
     """
     return _module().DecodeLayer(
         win_k,
@@ -127,6 +131,8 @@ def decode_layer(
         anchors,
         anchor_type == "QUEST",
         mode == "SHARED",
+        lru,
+        layer,
     )
 
 

@@ -181,7 +181,11 @@ class SparseBackend(AttentionBackend):
         if self.ops is TORCH_OPS:
             group = n_kv_heads if lc.head_select_mode == "SHARED" else 1
             self.device_cache = DeviceBlockCache(
-                n_layers, self._device_slots(), 2 * first.bytes_per_slot, group
+                n_layers,
+                self._device_slots(),
+                2 * first.bytes_per_slot,
+                group,
+                cpu_kernels(self.device, ops_backend),
             )
         else:
             self.tier = DeviceBlockTier(
@@ -201,7 +205,7 @@ class SparseBackend(AttentionBackend):
         self._sink_starts = self._heads * self.block * head_dim
         # bf16 decode steps of the layers that rank their blocks: one C++ call a layer.
         self._layer_kernels = (
-            [self._layer_kernel(st) for st in self._layers]
+            [self._layer_kernel(i, st) for i, st in enumerate(self._layers)]
             if self._cpu_kernels and dtype == torch.bfloat16
             else None
         )
@@ -221,8 +225,9 @@ class SparseBackend(AttentionBackend):
         if position_mode == "extrapolate":
             self.max_chunk = max(1, min(lc.chunk_size, trained_context - self.window - self.block))
 
-    def _layer_kernel(self, st: _LayerState) -> object:
-        """kv/csrc/decode_layer.cpp's object over this layer's buffers."""
+    def _layer_kernel(self, layer: int, st: _LayerState) -> object:
+        """kv/csrc/decode_layer.cpp's object over this layer's buffers, counting its reads in
+        the device cache."""
         kv_type = self.lc.kv_type
         unit = self.block * self.head_dim if kv_type == "FP16" else st.k_pool.bytes_per_slot
         return cpu_kernel.decode_layer(
@@ -239,6 +244,8 @@ class SparseBackend(AttentionBackend):
             st.anchors,
             self.lc.anchor_type,
             self.lc.head_select_mode,
+            self.device_cache.lru,
+            layer,
         )
 
     @property
@@ -372,8 +379,6 @@ class SparseBackend(AttentionBackend):
             blocks = self._remember(st, ranked, decoding=True)
         self._store_blocks(st, (self._length + 1) // self.block)
         self._last_selection[layer] = blocks
-        if blocks is not None and blocks.shape[-1]:
-            self._count_reads(layer, blocks)
         return out
 
     def _attend_tier(
@@ -640,7 +645,7 @@ class SparseBackend(AttentionBackend):
         # SHARED: one selection for every head, so its block ids are the cache's keys (each
         # the group of its heads' slots); SEPARATE: the slots themselves.
         keys = blocks if self.lc.head_select_mode == "SHARED" else self._head_base + blocks
-        self.device_cache.touch(layer, keys.reshape(-1).tolist())
+        self.device_cache.touch(layer, keys)
 
     def _slots(self, blocks: torch.Tensor) -> torch.Tensor:
         """Store slots [n_kv, k] of `blocks` ([k] shared or [n_kv, k])."""

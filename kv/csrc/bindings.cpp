@@ -5,9 +5,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention);
   m.def("select_blocks", &select_blocks);
   m.def("rotate", &rotate);
+  pybind11::class_<BlockLru, std::shared_ptr<BlockLru>>(m, "BlockLru")
+      .def(pybind11::init<int64_t, int64_t>())
+      .def("touch", &BlockLru::touch)
+      .def("resize", &BlockLru::resize)
+      .def("clear", &BlockLru::clear)
+      .def_property_readonly("used", &BlockLru::used)
+      .def_property_readonly("hits", &BlockLru::hits)
+      .def_property_readonly("misses", &BlockLru::misses);
   pybind11::class_<DecodeLayer>(m, "DecodeLayer")
       .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
                           torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t,
-                          torch::Tensor, bool, bool>())
+                          torch::Tensor, bool, bool, std::shared_ptr<BlockLru>, int64_t>())
       .def("decode", &DecodeLayer::decode);
 }

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <utility>
 
 #include "bf16.h"
 
@@ -43,10 +44,12 @@ const uint16_t* table(const torch::Tensor& t, int64_t D) {
 DecodeLayer::DecodeLayer(torch::Tensor win_k, torch::Tensor win_v, torch::Tensor win_store_k,
                          torch::Tensor sink_k, torch::Tensor sink_v, torch::Tensor pool_k,
                          torch::Tensor pool_v, int64_t format, int64_t slot_unit,
-                         int64_t max_blocks, torch::Tensor anchors, bool quest, bool shared)
+                         int64_t max_blocks, torch::Tensor anchors, bool quest, bool shared,
+                         std::shared_ptr<BlockLru> lru, int64_t layer)
     : win_k_(win_k), win_v_(win_v), win_store_k_(win_store_k), sink_k_(sink_k), sink_v_(sink_v),
       pool_k_(pool_k), pool_v_(pool_v), anchors_(anchors), format_(format),
-      slot_unit_(slot_unit), max_blocks_(max_blocks), quest_(quest), shared_(shared) {
+      slot_unit_(slot_unit), max_blocks_(max_blocks), quest_(quest), shared_(shared),
+      lru_(std::move(lru)), layer_(layer) {
   for (const auto* t : {&win_k_, &win_v_, &win_store_k_}) {
     TORCH_CHECK(t->dim() == 3 && t->is_contiguous() && t->scalar_type() == at::kBFloat16,
                 "window buffers: contiguous bf16 [n_kv, capacity, D]");
@@ -160,6 +163,19 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::decode(
       TORCH_CHECK(0 <= id && id < max_blocks_, "block id ", id, " outside the store");
       runs.push_back({pool, (h * max_blocks_ + id) * slot_unit_, block});
     }
+  }
+  if (lru_ && k_ids) {
+    // As kv/sparse.py's _count_reads: a shared selection's keys are its block ids (each the
+    // group of its heads' slots), a separate one's the store slots of every head's blocks.
+    keys_.clear();
+    if (shared_) {
+      keys_.assign(ids, ids + blocks.numel());
+    } else {
+      for (int64_t h = 0; h < n_kv; ++h)
+        for (int64_t j = 0; j < k_ids; ++j)
+          keys_.push_back(h * max_blocks_ + ids[h * per_head + j]);
+    }
+    lru_->touch_keys(layer_, keys_.data(), static_cast<int64_t>(keys_.size()));
   }
   out32_.resize(n_heads * D);
   kvchat::attend_sets(q32_.data(), n_kv, G, D, true, true, sets_, runs_,

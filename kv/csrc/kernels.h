@@ -4,8 +4,12 @@
 
 #include <torch/extension.h>
 
+#include <cstdint>
+#include <list>
+#include <memory>
 #include <optional>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 namespace kvchat {
@@ -65,13 +69,40 @@ torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t firs
 
 torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 
+// Which blocks each layer would find resident on the compute device (block_lru.cpp): an LRU of
+// `capacity` keys per layer. A touch counts each key as a hit (made the most recent) or a
+// miss (added, the least recent evicted when over capacity), in order.
+class BlockLru {
+ public:
+  BlockLru(int64_t n_layers, int64_t capacity);
+  // Returns the misses; hits() and misses() count every touch so far.
+  int64_t touch(int64_t layer, torch::Tensor keys);
+  int64_t touch_keys(int64_t layer, const int64_t* keys, int64_t n);
+  // A smaller capacity drops each layer's least recently used keys.
+  void resize(int64_t capacity);
+  void clear();
+  int64_t used() const;
+  int64_t hits() const { return hits_; }
+  int64_t misses() const { return misses_; }
+
+ private:
+  struct Layer {
+    std::list<int64_t> order;  // least recent first
+    std::unordered_map<int64_t, std::list<int64_t>::iterator> where;
+  };
+  void evict_oldest(Layer& l);
+  std::vector<Layer> layers_;
+  int64_t capacity_ = 0, hits_ = 0, misses_ = 0;
+};
+
 // One layer of the block-sparse cache as the decode step's single call sees it (decode_layer.cpp).
 class DecodeLayer {
  public:
   DecodeLayer(torch::Tensor win_k, torch::Tensor win_v, torch::Tensor win_store_k,
               torch::Tensor sink_k, torch::Tensor sink_v, torch::Tensor pool_k,
               torch::Tensor pool_v, int64_t format, int64_t slot_unit, int64_t max_blocks,
-              torch::Tensor anchors, bool quest, bool shared);
+              torch::Tensor anchors, bool quest, bool shared, std::shared_ptr<BlockLru> lru,
+              int64_t layer);
 
   std::tuple<torch::Tensor, torch::Tensor> decode(torch::Tensor q, torch::Tensor k, torch::Tensor v,
                                                   torch::Tensor cos, torch::Tensor sin,
@@ -84,6 +115,11 @@ class DecodeLayer {
   torch::Tensor win_k_, win_v_, win_store_k_, sink_k_, sink_v_, pool_k_, pool_v_, anchors_;
   int64_t format_, slot_unit_, max_blocks_;
   bool quest_, shared_;
+  // Where this layer's block reads are counted (the device block cache), as keys: block ids
+  // (shared selection) or store slots.
+  std::shared_ptr<BlockLru> lru_;
+  int64_t layer_;
+  std::vector<int64_t> keys_;
   // A step's working buffers, kept between calls: the rotated query (window, far) and key,
   // the queries and output in fp32, the selection's query, the key sets and each head's runs.
   std::vector<uint16_t> qa_, qf_, ka_;
