@@ -4,13 +4,14 @@ A decode step on the CPU ran torch's int4 kernel four times a layer, each call w
 its dispatch and its own fork and join of the threads, with the norms, the SiLU and the
 residual adds as separate calls between them. `Int4DecodeLayer` holds the layer's GGUF Q4_0 /
 Q4_1 weights in the layout of core/csrc/int4_layer.cpp and runs the layer around its attention
-in two calls: `qkv` (RMSNorm, then q, k and v) and `tail` (the output projection and residual,
+in two C++ calls: `qkv` (RMSNorm, then q, k and v) and `tail` (the output projection and residual,
 RMSNorm, the MLP and its residual), on the same packed weights as the layer's
 `PackedInt4Linear`s (core/linear.py), which run prefill chunks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -67,7 +68,9 @@ def pack_int4(groups: Int4Groups) -> Int4Pack | None:
 
 
 class Int4DecodeLayer:
-    """One layer's projections for one token: `qkv(x)` and `tail(x, attn)`, bf16 [1, ...]."""
+    """One layer's projections for one token, int4_layer.cpp's Int4Layer: `qkv(x)` gives q, k
+    and v ([heads, 1, head_dim] each) and `tail(x, attn)` the layer's output [1, hidden], from
+    bf16 x [1, hidden] and the attention's output (any shape of n_heads * head_dim values)."""
 
     def __init__(
         self,
@@ -79,24 +82,21 @@ class Int4DecodeLayer:
         mlp_norm: torch.Tensor,
         eps: float,
         qkv_bias: torch.Tensor | None,
+        qkv_heads: list[int],
         ops: ModuleType,
     ) -> None:
-        self._qkv, self._o, self._gate_up, self._down = qkv, o, gate_up, down
-        self._attn_norm, self._mlp_norm, self._eps = attn_norm, mlp_norm, eps
-        self._qkv_bias, self._ops = qkv_bias, ops
-
-    def qkv(self, x: torch.Tensor) -> torch.Tensor:
-        """rms_norm(x) times the fused q, k, v weight (+ bias): [1, q + k + v]."""
-        return self._ops.int4_qkv(x, self._attn_norm, self._eps, self._qkv.parts, self._qkv_bias)
-
-    def tail(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """y = x + o(attn); y + down(silu(gate) * up) of rms_norm(y): [1, hidden]."""
-        return self._ops.int4_tail(
-            x,
-            attn,
-            self._o.parts,
-            self._mlp_norm,
-            self._eps,
-            self._gate_up.parts,
-            self._down.parts,
+        layer = ops.Int4Layer(
+            qkv.parts,
+            qkv_bias,
+            attn_norm,
+            o.parts,
+            mlp_norm,
+            gate_up.parts,
+            down.parts,
+            eps,
+            qkv_heads,
         )
+        # The C++ methods themselves: a Python method around each would add its frame to
+        # every call of a decode step (60 of them).
+        self.qkv: Callable[[torch.Tensor], list[torch.Tensor]] = layer.qkv
+        self.tail: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = layer.tail

@@ -107,6 +107,7 @@ class Transformer:
                 down=linear([p + "mlp.down_proj"], [h], cfg.intermediate_size, False),
             )
             self.layers.append(layer)
+        self._qkv_heads = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]
         # One-token passes in two C++ calls a layer (core/int4_layer.py) where every
         # projection runs on int4_layer.cpp's packed weights.
         self._decode_layers = self._int4_decode_layers(ops)
@@ -131,7 +132,6 @@ class Transformer:
         else:
             self.lm_head = linear([head], [cfg.vocab_size], h, False)
         self.rope = Rope(cfg, self.device)
-        self._qkv_heads = [cfg.num_heads, cfg.num_kv_heads, cfg.num_kv_heads]
 
     def _int4_decode_layers(self, ops: ModuleType | None) -> list[Int4DecodeLayer] | None:
         if ops is None:
@@ -152,6 +152,7 @@ class Transformer:
                     layer.mlp_norm,
                     self.cfg.rms_norm_eps,
                     layer.qkv.bias,  # type: ignore[union-attr]
+                    self._qkv_heads,
                     ops,
                 )
             )
@@ -200,16 +201,15 @@ class Transformer:
         decode = self._decode_layers if n == 1 else None
         for i, layer in enumerate(self.layers):
             if decode is not None:
-                qkv = decode[i].qkv(x)
-            else:
-                qkv = layer.qkv(norm(x, layer.attn_norm, cfg.rms_norm_eps))
+                # Two C++ calls around the attention, which take and give [heads, 1, head_dim].
+                q, k, v = decode[i].qkv(x)
+                x = decode[i].tail(x, backend.attend(i, q, k, v))
+                continue
+            qkv = layer.qkv(norm(x, layer.attn_norm, cfg.rms_norm_eps))
             # [heads, n, head_dim] views of q, k and v: three ops, not seven, per layer.
             heads = qkv.view(n, -1, cfg.head_dim).transpose(0, 1)
             q, k, v = heads.split_with_sizes(self._qkv_heads)
             attn = backend.attend(i, q, k, v).transpose(0, 1).reshape(n, -1)
-            if decode is not None:
-                x = decode[i].tail(x, attn)
-                continue
             x = x + layer.o(attn)
             x = x + layer.down(
                 self._silu_mul(layer.gate_up(norm(x, layer.mlp_norm, cfg.rms_norm_eps)))

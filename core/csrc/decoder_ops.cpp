@@ -218,8 +218,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear);
   m.def("int4_linear", &int4_linear);
   m.def("int4_dequantize", &int4_dequantize);
-  m.def("int4_qkv", &int4_qkv);
-  m.def("int4_tail", &int4_tail);
+  bind_int4_layer(m);
   // Whether the int4 ops have their vector path here (else they compute one value at a time).
   m.attr("int4_vectorized") = kvchat::int4_vectorized;
 }

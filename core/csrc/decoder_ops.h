@@ -23,8 +23,5 @@ extern const bool int4_vectorized;
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
                           torch::Tensor minimum);
 torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scale, torch::Tensor minimum);
-torch::Tensor int4_qkv(torch::Tensor x, torch::Tensor norm_weight, double eps,
-                       std::vector<torch::Tensor> qkv, c10::optional<torch::Tensor> bias);
-torch::Tensor int4_tail(torch::Tensor x, torch::Tensor attn, std::vector<torch::Tensor> o,
-                        torch::Tensor norm_weight, double eps, std::vector<torch::Tensor> gate_up,
-                        std::vector<torch::Tensor> down);
+// Registers Int4Layer, a layer's int4 projections for decode tokens (int4_layer.cpp).
+void bind_int4_layer(pybind11::module& m);

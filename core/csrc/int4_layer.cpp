@@ -1,8 +1,8 @@
 // GGUF Q4_0 / Q4_1 weights on the CPU in a packed layout of our own: int4_linear (products of
 // a few rows), int4_dequantize (the bf16 weight, for the bf16 products of prefill chunks), and
-// a decode token's pass through a layer's projections in two calls, int4_qkv (RMSNorm, then
-// q, k and v) and int4_tail (the output projection and the residual, RMSNorm, gate and up,
-// SiLU-and-multiply, down and the residual), each in one parallel region.
+// a decode token's pass through a layer's projections in two calls of an Int4Layer, qkv
+// (RMSNorm, then q, k and v) and tail (the output projection and the residual, RMSNorm, gate
+// and up, SiLU-and-multiply, down and the residual), each in one parallel region.
 //
 // The weights are laid out by core/int4_layer.py's pack_int4: 16 output rows per vector, a
 // tile of 16 rows stored so that 64 bytes hold 8 adjacent inputs of each of the 16 rows (4 in
@@ -257,81 +257,128 @@ torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scale, torch::
   return out;
 }
 
-// A decode token's q, k and v: rms_norm(x, norm_weight, eps) [1, H] times the fused qkv
-// weight (+ bias, in bf16 as torch adds it): bf16 [1, N].
-torch::Tensor int4_qkv(torch::Tensor x, torch::Tensor norm_weight, double eps,
-                       std::vector<torch::Tensor> qkv, c10::optional<torch::Tensor> bias) {
-  const int64_t H = x.size(-1);
-  const uint16_t* xp = bf16_data(x, H, "int4_qkv: x");
-  const uint16_t* wp = bf16_data(norm_weight, H, "int4_qkv: norm_weight");
-  const Int4Matrix m = int4_matrix(qkv, H, "int4_qkv");
-  const int64_t N = 16 * m.T;
-  const uint16_t* bp = bias.has_value() ? bf16_data(*bias, N, "int4_qkv: bias") : nullptr;
-  std::vector<uint16_t> h(H);
-  QuantBuffer hq(H);
-  kvchat::norm_row(xp, wp, H, static_cast<float>(eps), h.data());
-  quantize_groups(h.data(), H, hq);
-  auto out = torch::empty({1, N}, x.options());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const int nth = at::get_num_threads();
-#pragma omp parallel num_threads(nth)
-  {
-    const auto [lo, hi] = share(m.T, omp_get_thread_num(), omp_get_num_threads());
-    int4_range(m, hq.row(), lo, hi, op);
-    if (bp != nullptr) add_rows(op, bp, 16 * lo, 16 * hi, op);
-  }
-  return out;
-}
+namespace {
 
-// The rest of a decode token's layer after attention: y = x + o(attn), then
-// y + down(silu(gate(h)) * up(h)) with h = rms_norm(y, norm_weight, eps). x [1, H] and attn
-// [1, n_heads * head_dim] bf16; o, gate_up ([gate | up] rows) and down as pack_int4 lays them
-// out. Returns bf16 [1, H].
-torch::Tensor int4_tail(torch::Tensor x, torch::Tensor attn, std::vector<torch::Tensor> o,
-                        torch::Tensor norm_weight, double eps, std::vector<torch::Tensor> gate_up,
-                        std::vector<torch::Tensor> down) {
-  const int64_t H = x.size(-1), A = attn.size(-1);
-  const uint16_t* xp = bf16_data(x, H, "int4_tail: x");
-  const uint16_t* ap = bf16_data(attn, A, "int4_tail: attn");
-  const uint16_t* wp = bf16_data(norm_weight, H, "int4_tail: norm_weight");
-  const Int4Matrix mo = int4_matrix(o, A, "int4_tail: o");
-  const Int4Matrix mg = int4_matrix(gate_up, H, "int4_tail: gate_up");
-  const int64_t I = 16 * mg.T / 2;
-  TORCH_CHECK(16 * mo.T == H && mg.T % 2 == 0, "int4_tail: o must give H rows, gate_up 2 I");
-  const Int4Matrix md = int4_matrix(down, I, "int4_tail: down");
-  TORCH_CHECK(16 * md.T == H, "int4_tail: down must give H rows");
-  QuantBuffer attn_q(A), act_q(I);
-  quantize_groups(ap, A, attn_q);
-  std::vector<uint16_t> y(H), proj(H), gu(2 * I), act(I);
-  auto out = torch::empty({1, H}, x.options());
-  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  const float e = static_cast<float>(eps);
-  const int nth = at::get_num_threads();
-#pragma omp parallel num_threads(nth)
-  {
-    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
-    const auto [o_lo, o_hi] = share(mo.T, tid, n);
-    int4_range(mo, attn_q.row(), o_lo, o_hi, proj.data());
-    add_rows(xp, proj.data(), 16 * o_lo, 16 * o_hi, y.data());
-#pragma omp barrier
-    // Every thread normalises the whole row itself (H values, ~1 us) rather than waiting at
-    // one more barrier for one thread to do it.
-    std::vector<uint16_t> h(H);
-    QuantBuffer hq(H);
-    kvchat::norm_row(y.data(), wp, H, e, h.data());
-    quantize_groups(h.data(), H, hq);
-    const int64_t half = mg.T / 2;
-    const auto [g_lo, g_hi] = share(half, tid, n);
-    int4_range(mg, hq.row(), g_lo, g_hi, gu.data());
-    int4_range(mg, hq.row(), half + g_lo, half + g_hi, gu.data());
-    kvchat::silu_mul_row(gu.data() + 16 * g_lo, gu.data() + I + 16 * g_lo, 16 * (g_hi - g_lo),
-                         act.data() + 16 * g_lo);
-    // Whole pairs of tiles: this thread's rows are whole groups of down's inputs.
-    quantize_groups(act.data() + 16 * g_lo, 16 * (g_hi - g_lo), act_q, g_lo / 2);
-#pragma omp barrier
-    const auto [d_lo, d_hi] = share(md.T, tid, n);
-    int4_range(md, act_q.row(), d_lo, d_hi, proj.data());
-    add_rows(y.data(), proj.data(), 16 * d_lo, 16 * d_hi, op);
+// A layer's int4 projections for decode tokens (core/int4_layer.py's Int4DecodeLayer): the
+// weights are checked once and held, so that a call converts only its activations (the
+// weights' nine tensors and two norms took a few microseconds a layer to pass each call).
+class Int4Layer {
+ public:
+  Int4Layer(std::vector<torch::Tensor> qkv, c10::optional<torch::Tensor> qkv_bias,
+            torch::Tensor attn_norm, std::vector<torch::Tensor> o, torch::Tensor mlp_norm,
+            std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, double eps,
+            std::vector<int64_t> qkv_heads)
+      : eps_(static_cast<float>(eps)), heads_(std::move(qkv_heads)) {
+    TORCH_CHECK(qkv.size() == 3, "qkv: (packed, scale, minimum)");
+    H_ = qkv[0].size(1) / 8;
+    qkv_ = int4_matrix(qkv, H_, "qkv");
+    o_ = int4_matrix(o, o[0].size(1) / 8, "o");
+    A_ = o_.K;
+    gate_up_ = int4_matrix(gate_up, H_, "gate_up");
+    I_ = 16 * gate_up_.T / 2;
+    TORCH_CHECK(16 * o_.T == H_ && gate_up_.T % 2 == 0, "o must give H rows, gate_up 2 I");
+    down_ = int4_matrix(down, I_, "down");
+    TORCH_CHECK(16 * down_.T == H_, "down must give H rows");
+    attn_norm_ = bf16_data(attn_norm, H_, "attn_norm");
+    mlp_norm_ = bf16_data(mlp_norm, H_, "mlp_norm");
+    const int64_t N = 16 * qkv_.T;
+    bias_ = qkv_bias.has_value() ? bf16_data(*qkv_bias, N, "qkv bias") : nullptr;
+    int64_t total = 0;
+    for (const int64_t h : heads_) total += h;
+    TORCH_CHECK(heads_.size() == 3 && total > 0 && N % total == 0,
+                "qkv_heads: q, k and v heads that divide the qkv rows");
+    head_dim_ = N / total;
+    held_ = {attn_norm, mlp_norm};
+    for (const auto* parts : {&qkv, &o, &gate_up, &down})
+      held_.insert(held_.end(), parts->begin(), parts->end());
+    if (qkv_bias.has_value()) held_.push_back(*qkv_bias);
   }
-  return out;
+
+  // q, k and v for the token x [1, H]: rms_norm(x) times the fused weight (+ bias, in bf16 as
+  // torch adds it), as [heads, 1, head_dim] views of one bf16 row, as the attention takes them.
+  std::vector<torch::Tensor> qkv(torch::Tensor x) {
+    const uint16_t* xp = bf16_data(x, H_, "int4 qkv: x");
+    std::vector<uint16_t> h(H_);
+    QuantBuffer hq(H_);
+    kvchat::norm_row(xp, attn_norm_, H_, eps_, h.data());
+    quantize_groups(h.data(), H_, hq);
+    auto out = torch::empty({16 * qkv_.T / head_dim_, 1, head_dim_}, x.options());
+    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    const int nth = at::get_num_threads();
+#pragma omp parallel num_threads(nth)
+    {
+      const auto [lo, hi] = share(qkv_.T, omp_get_thread_num(), omp_get_num_threads());
+      int4_range(qkv_, hq.row(), lo, hi, op);
+      if (bias_ != nullptr) add_rows(op, bias_, 16 * lo, 16 * hi, op);
+    }
+    return out.split_with_sizes(heads_);
+  }
+
+  // The rest of the layer after attention: y = x + o(attn), then
+  // y + down(silu(gate(h)) * up(h)) with h = rms_norm(y). x [1, H]; attn bf16, its
+  // n_heads * head_dim values in any shape (the attention's [n_heads, 1, head_dim] as it
+  // is). Returns bf16 [1, H].
+  torch::Tensor tail(torch::Tensor x, torch::Tensor attn) {
+    const int64_t H = H_, A = A_, I = I_;
+    const uint16_t* xp = bf16_data(x, H, "int4 tail: x");
+    const auto attn_rows = attn.contiguous();
+    const uint16_t* ap = bf16_data(attn_rows, A, "int4 tail: attn");
+    const Int4Matrix &mo = o_, &mg = gate_up_, &md = down_;
+    QuantBuffer attn_q(A), act_q(I);
+    quantize_groups(ap, A, attn_q);
+    std::vector<uint16_t> y(H), proj(H), gu(2 * I), act(I);
+    auto out = torch::empty({1, H}, x.options());
+    auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+    const float e = eps_;
+    const uint16_t* wp = mlp_norm_;
+    const int nth = at::get_num_threads();
+#pragma omp parallel num_threads(nth)
+    {
+      const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+      const auto [o_lo, o_hi] = share(mo.T, tid, n);
+      int4_range(mo, attn_q.row(), o_lo, o_hi, proj.data());
+      add_rows(xp, proj.data(), 16 * o_lo, 16 * o_hi, y.data());
+#pragma omp barrier
+      // Every thread normalises the whole row itself (H values, ~1 us) rather than waiting at
+      // one more barrier for one thread to do it.
+      std::vector<uint16_t> h(H);
+      QuantBuffer hq(H);
+      kvchat::norm_row(y.data(), wp, H, e, h.data());
+      quantize_groups(h.data(), H, hq);
+      const int64_t half = mg.T / 2;
+      const auto [g_lo, g_hi] = share(half, tid, n);
+      int4_range(mg, hq.row(), g_lo, g_hi, gu.data());
+      int4_range(mg, hq.row(), half + g_lo, half + g_hi, gu.data());
+      kvchat::silu_mul_row(gu.data() + 16 * g_lo, gu.data() + I + 16 * g_lo, 16 * (g_hi - g_lo),
+                           act.data() + 16 * g_lo);
+      // Whole pairs of tiles: this thread's rows are whole groups of down's inputs.
+      quantize_groups(act.data() + 16 * g_lo, 16 * (g_hi - g_lo), act_q, g_lo / 2);
+#pragma omp barrier
+      const auto [d_lo, d_hi] = share(md.T, tid, n);
+      int4_range(md, act_q.row(), d_lo, d_hi, proj.data());
+      add_rows(y.data(), proj.data(), 16 * d_lo, 16 * d_hi, op);
+    }
+    return out;
+  }
+
+ private:
+  // The tensors the matrices and norms point into.
+  std::vector<torch::Tensor> held_;
+  Int4Matrix qkv_{}, o_{}, gate_up_{}, down_{};
+  const uint16_t *attn_norm_ = nullptr, *mlp_norm_ = nullptr, *bias_ = nullptr;
+  float eps_;
+  int64_t H_ = 0, A_ = 0, I_ = 0, head_dim_ = 0;
+  std::vector<int64_t> heads_;
+};
+
+}  // namespace
+
+void bind_int4_layer(pybind11::module& m) {
+  pybind11::class_<Int4Layer>(m, "Int4Layer")
+      .def(pybind11::init<std::vector<torch::Tensor>, c10::optional<torch::Tensor>,
+                          torch::Tensor, std::vector<torch::Tensor>, torch::Tensor,
+                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, double,
+                          std::vector<int64_t>>())
+      .def("qkv", &Int4Layer::qkv)
+      .def("tail", &Int4Layer::tail);
 }

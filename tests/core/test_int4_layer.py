@@ -73,8 +73,16 @@ def test_the_calls_refuse_mismatched_weights():
     assert pack is not None
     with pytest.raises(RuntimeError, match="for 96 inputs"):
         OPS.int4_linear(_bf16(1, 96), *pack.parts)
+    norm = _bf16(64)
+    with pytest.raises(RuntimeError, match="o must give H rows"):
+        Int4DecodeLayer(pack, pack, pack, pack, norm, norm, 1e-5, None, [1, 0, 1], OPS)
+    square = pack_int4(_groups(64, 64))
+    down = pack_int4(_groups(64, 32))
+    layer = Int4DecodeLayer(square, square, square, down, norm, norm, 1e-5, None, [2, 1, 1], OPS)
     with pytest.raises(RuntimeError, match="bf16"):
-        OPS.int4_qkv(torch.randn(1, 64), _bf16(64), 1e-5, pack.parts, None)
+        layer.qkv(torch.randn(1, 64))
+    with pytest.raises(RuntimeError, match="64 values"):
+        layer.tail(_bf16(1, 64), _bf16(2, 1, 16))
 
 
 def _layer(hidden: int, intermediate: int, heads_out: int, bias: bool) -> tuple:
@@ -83,7 +91,8 @@ def _layer(hidden: int, intermediate: int, heads_out: int, bias: bool) -> tuple:
     attn_norm, mlp_norm = _bf16(hidden, seed=5), _bf16(hidden, seed=6)
     qkv_bias = _bf16(heads_out, seed=7) if bias else None
     packs = [pack_int4(g) for g in (qkv, o, gate_up, down)]
-    layer = Int4DecodeLayer(*packs, attn_norm, mlp_norm, 1e-5, qkv_bias, OPS)
+    heads = [heads_out // 64 - 6, 3, 3]  # head_dim 64, SmolLM2's 9 / 3 / 3 at 960
+    layer = Int4DecodeLayer(*packs, attn_norm, mlp_norm, 1e-5, qkv_bias, heads, OPS)
     return layer, (qkv, o, gate_up, down, attn_norm, mlp_norm, qkv_bias)
 
 
@@ -99,10 +108,17 @@ def test_the_fused_calls_equal_the_single_ops_one_after_another(threads, bias):
         want_qkv = _linear(OPS.rms_norm(x, attn_norm, 1e-5), qkv)
         if qkv_bias is not None:
             want_qkv = want_qkv + qkv_bias
-        assert torch.equal(layer.qkv(x), want_qkv)
+        q, k, v = layer.qkv(x)
+        assert (q.shape, k.shape, v.shape) == ((9, 1, 64), (3, 1, 64), (3, 1, 64))
+        assert torch.equal(torch.cat([q, k, v]).view(1, -1), want_qkv)
         y = x + _linear(attn, o)
         mlp = _linear(OPS.silu_mul(_linear(OPS.rms_norm(y, mlp_norm, 1e-5), gate_up)), down)
         assert torch.equal(layer.tail(x, attn), y + mlp)
+        # The attention's [heads, 1, head_dim] as it comes, and the same values strided.
+        assert torch.equal(layer.tail(x, attn.view(9, 1, 64)), y + mlp)
+        spaced = torch.zeros(1, 2 * 576, dtype=torch.bfloat16)
+        spaced[:, ::2] = attn
+        assert torch.equal(layer.tail(x, spaced[:, ::2]), y + mlp)
     finally:
         torch.set_num_threads(before)
 
