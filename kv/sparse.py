@@ -224,6 +224,8 @@ class SparseBackend(AttentionBackend):
         self.max_chunk = lc.chunk_size
         if position_mode == "extrapolate":
             self.max_chunk = max(1, min(lc.chunk_size, trained_context - self.window - self.block))
+            # Retrieved keys are read at one fixed distance, so one table serves every pass.
+            self._far_table = rope.cos_sin(self.window, 1, dtype)
 
     def _layer_kernel(self, layer: int, st: _LayerState) -> object:
         """kv/csrc/decode_layer.cpp's object over this layer's buffers, counting its reads in
@@ -296,7 +298,7 @@ class SparseBackend(AttentionBackend):
             self._window_starts = (self._heads * self.win_cap + ws) * self.head_dim
         self._cos, self._sin = self.rope.cos_sin(self._length, n_new, self.dtype)
         if self.position_mode == "extrapolate":
-            cos, sin = self.rope.cos_sin(self.window, 1, self.dtype)
+            cos, sin = self._far_table
             self._far_cos, self._far_sin = cos.expand(n_new, -1), sin.expand(n_new, -1)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
