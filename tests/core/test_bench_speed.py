@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvchat.config import load_settings
-from kvchat.core.bench_speed import memory_copy_rate, run_speed_bench
+from kvchat.core.bench_speed import WARMUP_TOKENS, memory_copy_rate, run_speed_bench
 from kvchat.core.device import cpu_name
 
 SMALL = [
@@ -38,6 +38,8 @@ def test_speed_bench_reports_ratios_and_roofline():
     assert ours["decode_bytes_per_token"] > weights
     assert row["dense"]["decode_bytes_per_token"] > weights
     assert 0 < ours["decode_roofline_fraction"] < 2
+    # The steps before the timed ones (right after the prefill) are reported apart.
+    assert ours["warmup_tok_s"] > 0 and f"the {WARMUP_TOKENS} before" in lines[-2]
     # The peak is this context's own (not the model loading's) and holds what remains.
     assert ours["peak_rss_scope"] == "context"
     assert ours["peak_rss_bytes"] >= ours["rss_bytes"] * 0.99
