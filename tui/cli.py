@@ -399,7 +399,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="context sizes for `speed` (default 1k,4k,8k) and `gpu` (default 32k,128k,1024k)",
     )
-    bench.add_argument("--decode-tokens", type=int, default=32, help="tokens decoded per context")
+    bench.add_argument(
+        "--decode-tokens", type=_positive, default=32, help="tokens decoded per context"
+    )
     bench.add_argument(
         "--no-transformers", action="store_true", help="skip the transformers baseline in `speed`"
     )

@@ -124,6 +124,14 @@ def test_bad_override_names_the_key(tmp_path, capsys):
     assert "long_context.kv_type" in err and "FP8" in err
 
 
+def test_bench_refuses_zero_decode_tokens(capsys):
+    # A rate over no tokens was a ZeroDivisionError after the whole prefill.
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "speed", "--decode-tokens", "0"])
+    assert exit_info.value.code == EXIT_USAGE
+    assert "--decode-tokens" in capsys.readouterr().err
+
+
 def test_unknown_model_file_is_a_clear_error(tmp_path, capsys):
     doc = _write(tmp_path / "doc.txt", b"Some text.\n")
     bogus = _write(tmp_path / "model.gguf", b"not a gguf at all" * 100)
