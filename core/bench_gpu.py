@@ -35,8 +35,8 @@ from kvchat.kv.cuda_tier import DeviceBlockTier
 from kvchat.kv.kernels import AttentionOps, attention_ops
 from kvchat.kv.positions import RopeTables, rotate
 from kvchat.kv.quant import KV_TYPES, BlockPool, bytes_per_token
+from kvchat.native.cpu import cpu_name
 
-from .device import cpu_name
 from .model import Transformer
 from .model_config import ModelConfig, RopeScaling
 from .weights import ModelWeights, expected_shapes, load_weights, resolve_model_path

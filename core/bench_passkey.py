@@ -22,8 +22,8 @@ import torch
 
 from kvchat.config import Settings
 from kvchat.kv.backend import CacheStats
+from kvchat.native.cpu import cpu_name
 
-from .device import cpu_name
 from .engine import Engine, ProgressFn
 from .haystack import PASSKEY_QUESTION, answer_is_correct, make_passkey_document, random_passkey
 from .plan import PlanRefusedError

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from kvchat.config import Settings
+from kvchat.native.cpu import cpu_name
 
-from .device import cpu_name
 from .engine import Engine
 from .haystack import PASSKEY_QUESTION, answer_is_correct, make_passkey_document
 from .snapshot import PrefillReport

@@ -14,8 +14,8 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from kvchat.config import Settings
+from kvchat.native.cpu import cpu_name
 
-from .device import cpu_name
 from .engine import Engine, Session
 from .haystack import make_passkey_document
 from .memory import peak_rss, process_rss, reset_peak_rss

@@ -36,7 +36,13 @@ _FORMATS = {"FP16": 0, "INT8": 1, "INT4": 2}
 @cache
 def load() -> ModuleType | None:
     """The compiled kernels' module, or None (with a warning logged) when it cannot be built."""
-    return build_extension("kvchat_cpu_kernels", SOURCES)
+    return build_extension(
+        "kvchat_cpu_kernels",
+        SOURCES,
+        "decode attention and block selection",
+        "the block-sparse cache computes with torch ops (decode several times slower at long "
+        "context)",
+    )
 
 
 def decode_attention(

@@ -1,39 +1,89 @@
 """Builds the C++ CPU kernels (kv/csrc/, core/csrc/) on first use and caches them.
 
-They are compiled with the C++ compiler torch's extension builder finds (`-march=native`: the
-build is for this CPU) and cached where torch caches extensions ($TORCH_EXTENSIONS_DIR, else
-~/.cache/torch_extensions) under a name that hashes the sources, so only the first process on
-a machine pays the build. Where one cannot be built its caller keeps a torch path.
+They are compiled with the C++ compiler torch's extension builder finds, for the CPU level
+kvchat runs at (kvchat.native.cpu: `-march=native`, or a lower level's -march), and cached
+where torch caches extensions ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions) under a
+name that hashes the sources, the CPU and the level, so only the first process on a machine
+pays the build. ninja compiles a build's sources in parallel. Where one cannot be built its
+caller keeps a torch path and the warning says what that costs.
+
+A build holds an flock on its folder: the kernel drops it when the process ends, however it
+ends, so a build killed halfway never blocks the next one (torch's own lock file, which a
+killed build leaves behind, is removed by whoever holds the flock).
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
-import platform
 import shutil
 import sys
+import threading
 import time
-from collections.abc import Sequence
-from functools import cache
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from .cpu import cpu_flags, cpu_level, march
+
 log = logging.getLogger(__name__)
 
 INCLUDE = Path(__file__).with_name("include")
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp"]
-# A build takes ~30-80 s here; torch's lock file that old was left by a process killed while
-# it built (Ctrl-C on a first start), and torch would wait on it forever.
-STALE_LOCK_S = 600
+# How often a build in progress is reported.
+REPORT_INTERVAL_S = 1.0
 
 
-def build_extension(prefix: str, sources: Sequence[Path]) -> ModuleType | None:
+@dataclass(frozen=True)
+class BuildProgress:
+    """A kernel build under way: which, for which CPU level, sources compiled so far."""
+
+    name: str  # what the kernels do, e.g. "decode attention and block selection"
+    level: str
+    compiled: int
+    sources: int
+    elapsed_s: float
+    done: bool = False
+
+    def line(self) -> str:
+        state = "built" if self.done else "building"
+        return (
+            f"{state} the C++ kernels for {self.name} ({self.level}; first start only): "
+            f"{self.compiled}/{self.sources} sources, {self.elapsed_s:.0f} s"
+        )
+
+
+BuildReporter = Callable[[BuildProgress], None]
+_reporters: list[BuildReporter] = []
+
+
+@contextmanager
+def build_reports(reporter: BuildReporter) -> Iterator[None]:
+    """Send the progress of every kernel build inside the block to `reporter` (from a
+    watcher thread, about once a second, and once when each build ends)."""
+    _reporters.append(reporter)
+    try:
+        yield
+    finally:
+        _reporters.remove(reporter)
+
+
+def flags() -> list[str]:
+    """The compiler flags of a build at this CPU level."""
+    return ["-O3", f"-march={march(cpu_level())}", "-ffast-math", "-fopenmp"]
+
+
+def build_extension(
+    prefix: str, sources: Sequence[Path], purpose: str, fallback: str
+) -> ModuleType | None:
     """The module compiled from `sources` (with native/include on the include path), or None
-    with a warning logged when it cannot be built."""
+    with a warning logged when it cannot be built. `purpose`: what the kernels do, for the
+    progress line and the warning; `fallback`: what running without them costs."""
     from torch.utils import cpp_extension
 
     if shutil.which("ninja") is None:
@@ -47,56 +97,84 @@ def build_extension(prefix: str, sources: Sequence[Path]) -> ModuleType | None:
     build_dir = Path(root) / name
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        clear_stale_lock(build_dir)
-        return cpp_extension.load(
-            name=name,
-            sources=[str(path) for path in sources],
-            extra_cflags=FLAGS,
-            extra_ldflags=["-fopenmp"],
-            extra_include_paths=[str(INCLUDE)],
-            build_directory=str(build_dir),
-        )
+        with build_lock(build_dir), _watch(build_dir, purpose, len(sources)):
+            return cpp_extension.load(
+                name=name,
+                sources=[str(path) for path in sources],
+                extra_cflags=flags(),
+                extra_ldflags=["-fopenmp"],
+                extra_include_paths=[str(INCLUDE)],
+                build_directory=str(build_dir),
+            )
     except (OSError, RuntimeError, ImportError) as err:
-        log.warning("the C++ kernels %s could not be built (%s); using torch", prefix, err)
+        reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
+        log.warning(
+            "the C++ kernels for %s could not be built (%s); %s", purpose, reason, fallback
+        )
         return None
 
 
 def build_name(prefix: str, sources: Sequence[Path]) -> str:
     """The cached build's name: a hash of the sources, the headers they may include (the
-    shared ones and any beside them), this torch and Python, and this CPU (-march=native: a
-    home directory shared with another CPU model must not load it)."""
+    shared ones and any beside them), this torch and Python, this CPU and the level it is
+    built for (a home directory shared with another CPU model must not load it)."""
     headers = sorted(
         {*INCLUDE.glob("*.h"), *(h for src in sources for h in src.parent.glob("*.h"))}
     )
     text = b"".join(path.read_bytes() for path in [*sources, *headers])
-    versions = f"{torch.__version__} {sys.version_info[:2]} {_cpu_flags()}"
+    machine = " ".join(sorted(cpu_flags()))
+    versions = f"{torch.__version__} {sys.version_info[:2]} {machine} {' '.join(flags())}"
     return f"{prefix}_{hashlib.sha256(text + versions.encode()).hexdigest()[:12]}"
 
 
-def clear_stale_lock(build_dir: Path, max_age_s: float = STALE_LOCK_S) -> bool:
-    """Remove torch's build lock in build_dir when it is older than max_age_s (its builder
-    is gone); True when one was removed."""
-    lock = build_dir / "lock"
+@contextmanager
+def build_lock(build_dir: Path) -> Iterator[None]:
+    """Hold the build folder's flock (waiting for a live builder to finish); then torch's own
+    lock file, if there is one, is a dead build's and is removed."""
+    with open(build_dir / "kvchat.lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            stale = build_dir / "lock"
+            if stale.exists():
+                log.warning("removing the lock of a build that did not finish: %s", stale)
+                stale.unlink(missing_ok=True)
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+@contextmanager
+def _watch(build_dir: Path, purpose: str, n_sources: int) -> Iterator[None]:
+    """Report the build in build_dir to the registered reporters while the block runs, when
+    it compiles anything (a cached build loads without a report)."""
+    if not _reporters:
+        yield
+        return
+    start = time.perf_counter()
+    stop = threading.Event()
+    reported = False
+
+    def report(done: bool) -> None:
+        compiled = min(len(list(build_dir.glob("*.o"))), n_sources)
+        progress = BuildProgress(
+            purpose, cpu_level().value, compiled, n_sources, time.perf_counter() - start, done
+        )
+        for reporter in list(_reporters):
+            reporter(progress)
+
+    def watch() -> None:
+        nonlocal reported
+        # A cached build loads in well under a second: report only one that takes longer.
+        while not stop.wait(REPORT_INTERVAL_S):
+            reported = True
+            report(False)
+
+    thread = threading.Thread(target=watch, name="kvchat-build-watch", daemon=True)
+    thread.start()
     try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age <= max_age_s:
-        return False
-    log.warning("removing a stale build lock (%.0f s old, left by a killed build): %s", age, lock)
-    lock.unlink(missing_ok=True)
-    return True
-
-
-@cache
-def cpuinfo() -> str:
-    """The text of /proc/cpuinfo ("" where there is none): the CPU's flags and model name."""
-    try:
-        return Path("/proc/cpuinfo").read_text(encoding="ascii", errors="ignore")
-    except OSError:
-        return ""
-
-
-def _cpu_flags() -> str:
-    flags = (line for line in cpuinfo().splitlines() if line.startswith("flags"))
-    return next(flags, platform.processor())
+        yield
+    finally:
+        stop.set()
+        thread.join()
+        if reported:
+            report(True)

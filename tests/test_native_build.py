@@ -1,26 +1,76 @@
-"""A build lock left by a killed kernel build is cleared; a live build's lock is not. A build
-is named for its sources and the headers beside them."""
+"""Kernel builds: named for their sources and CPU level, reported while they run, never
+blocked by a build that was killed, and a failed build says what falls back."""
 
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
+import sys
+import textwrap
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
-from kvchat.native import STALE_LOCK_S, build_name, clear_stale_lock
+import pytest
+
+from kvchat import native
+from kvchat.native import build_extension, build_lock, build_name, build_reports
+from kvchat.native.cpu import LEVEL_ENV, CpuLevel, CpuLevelError, cpu_level, machine_level
+
+# A child that takes the build lock, leaves torch's lock file as a build in progress does,
+# says so, and waits to be killed.
+HOLDER = textwrap.dedent(
+    """
+    import sys, time
+    from pathlib import Path
+    from kvchat.native import build_lock
+    folder = Path(sys.argv[1])
+    with build_lock(folder):
+        (folder / "lock").touch()
+        print("holding", flush=True)
+        time.sleep(600)
+    """
+)
 
 
-def test_a_stale_lock_is_removed_and_a_fresh_one_kept(tmp_path):
-    lock = tmp_path / "lock"
-    assert not clear_stale_lock(tmp_path)  # no lock: nothing to do
+def _holder(folder) -> subprocess.Popen:
+    child = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(folder)], stdout=subprocess.PIPE, text=True
+    )
+    assert child.stdout is not None and child.stdout.readline().strip() == "holding"
+    return child
 
-    lock.touch()
-    assert not clear_stale_lock(tmp_path)  # a build in progress
-    assert lock.exists()
 
-    old = time.time() - STALE_LOCK_S - 5
-    os.utime(lock, (old, old))
-    assert clear_stale_lock(tmp_path)
-    assert not lock.exists()
+def test_a_build_killed_halfway_does_not_block_the_next(tmp_path):
+    child = _holder(tmp_path)
+    child.kill()
+    child.wait()
+    assert (tmp_path / "lock").exists()  # torch would wait on this file forever
+    start = time.perf_counter()
+    with build_lock(tmp_path):
+        assert not (tmp_path / "lock").exists()
+    assert time.perf_counter() - start < 5
+
+
+def test_a_live_build_is_waited_for(tmp_path):
+    child = _holder(tmp_path)
+    acquired = threading.Event()
+
+    def take() -> None:
+        with build_lock(tmp_path):
+            acquired.set()
+
+    thread = threading.Thread(target=take)
+    thread.start()
+    try:
+        assert not acquired.wait(1.0)  # the child still builds
+    finally:
+        child.kill()
+        child.wait()
+    assert acquired.wait(10)
+    thread.join()
 
 
 def test_a_header_beside_the_sources_names_a_new_build(tmp_path):
@@ -31,3 +81,107 @@ def test_a_header_beside_the_sources_names_a_new_build(tmp_path):
     assert build_name("kvchat_test", [source]) == first
     header.write_text("int f(int);\n")
     assert build_name("kvchat_test", [source]) != first
+
+
+@contextmanager
+def level_set_to(value: str | None) -> Iterator[None]:
+    """KVCHAT_CPU_LEVEL set to `value` (None: unset) inside the block, as a new process would
+    read it; the level before is back after."""
+    before = os.environ.get(LEVEL_ENV)
+    cpu_level.cache_clear()
+    os.environ.pop(LEVEL_ENV, None)
+    if value is not None:
+        os.environ[LEVEL_ENV] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(LEVEL_ENV, None)
+        if before is not None:
+            os.environ[LEVEL_ENV] = before
+        cpu_level.cache_clear()
+
+
+def test_a_lower_cpu_level_is_another_build_with_its_own_march(tmp_path):
+    if machine_level() is CpuLevel.BASELINE:
+        pytest.skip("this CPU runs no level below baseline")
+    source = tmp_path / "ops.cpp"
+    source.write_text("int f();\n")
+    with level_set_to("baseline"):
+        assert "-march=x86-64-v2" in native.flags()
+        lowered = build_name("kvchat_test", [source])
+    with level_set_to(None):
+        assert "-march=native" in native.flags()
+        assert build_name("kvchat_test", [source]) != lowered
+
+
+MODULE = """
+#include <pybind11/pybind11.h>
+int twice(int x) { return 2 * x; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("twice", &twice); }
+"""
+
+
+def test_a_build_is_reported_while_it_runs_and_when_it_is_done(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
+    monkeypatch.setattr(native, "REPORT_INTERVAL_S", 0.2)
+    source = tmp_path / "twice.cpp"
+    source.write_text(MODULE)
+    seen = []
+    with build_reports(seen.append):
+        module = build_extension("kvchat_test", [source], "doubling", "nothing doubles")
+    assert module is not None and module.twice(21) == 42
+    assert seen and seen[-1].done and seen[-1].compiled == 1 and seen[-1].sources == 1
+    assert not any(p.done for p in seen[:-1])
+    assert "built the C++ kernels for doubling" in seen[-1].line()
+    # Loading the cached build compiles nothing and reports nothing.
+    seen.clear()
+    with build_reports(seen.append):
+        assert build_extension("kvchat_test", [source], "doubling", "nothing doubles") is not None
+    assert seen == []
+
+
+def test_a_failed_build_says_what_falls_back(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
+    source = tmp_path / "broken.cpp"
+    source.write_text("this is not C++\n")
+    with caplog.at_level(logging.WARNING, logger="kvchat.native"):
+        assert build_extension("kvchat_test", [source], "breaking", "torch runs instead") is None
+    assert "the C++ kernels for breaking could not be built" in caplog.text
+    assert "torch runs instead" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("flags", "machine", "level"),
+    [
+        # AMD EPYC Zen 3
+        ("fma avx2 f16c bmi2 sse4_2", "x86_64", CpuLevel.AVX2),
+        # AMD EPYC Zen 4
+        ("avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni", "x86_64",
+         CpuLevel.AVX512_BF16),
+        # Intel Xeon with AMX
+        ("avx2 fma f16c avx512f avx512bw avx512vl avx512dq amx_bf16 avx512_vnni", "x86_64",
+         CpuLevel.AVX512_BF16),
+        # Intel Skylake-SP
+        ("avx2 fma f16c avx512f avx512bw avx512vl avx512dq", "x86_64", CpuLevel.AVX512),
+        ("sse4_2 avx", "x86_64", CpuLevel.BASELINE),
+        ("fp asimd sve bf16", "aarch64", CpuLevel.BASELINE),
+    ],
+)
+def test_the_level_follows_the_cpu_flags(flags, machine, level):
+    from kvchat.native.cpu import detect_level
+
+    assert detect_level(frozenset(flags.split()), machine) is level
+
+
+@pytest.mark.parametrize("value", ["avx3", "AVX-512"])
+def test_a_bad_level_is_one_clear_error(value):
+    with level_set_to(value), pytest.raises(CpuLevelError, match="names no CPU level"):
+        cpu_level()
+
+
+def test_a_level_above_the_cpu_is_refused():
+    above = [lv for lv in CpuLevel if lv.rank > machine_level().rank]
+    if not above:
+        pytest.skip("this CPU runs the highest level")
+    with level_set_to(above[0].value), pytest.raises(CpuLevelError, match="above what this"):
+        cpu_level()

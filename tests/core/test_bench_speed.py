@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvchat.config import load_settings
 from kvchat.core.bench_speed import WARMUP_TOKENS, memory_copy_rate, run_speed_bench
-from kvchat.core.device import cpu_name
+from kvchat.native.cpu import cpu_name
 
 SMALL = [
     "long_context.chunk_size=64",

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.core.device import cpu_name
+from kvchat.native.cpu import cpu_name
 
 
 def test_cpu_name_is_the_model_name_of_proc_cpuinfo():
