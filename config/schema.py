@@ -74,8 +74,9 @@ class ModelSettings:
     )
     dtype: str = setting(
         "auto",
-        "Weight and activation dtype: bfloat16 for speed and half the memory, float32 for "
-        "exact results; auto lets the engine pick for the device.",
+        "Activation and KV cache dtype: bfloat16 for speed and half the memory, float32 for "
+        "exact results; auto is bfloat16 on every device (CPUs without bf16 hardware run "
+        "the large products in float32 on the widened values).",
         choices=("auto", "float32", "bfloat16"),
     )
     device: str = setting(

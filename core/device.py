@@ -3,27 +3,8 @@
 from __future__ import annotations
 
 import os
-import platform
 
 import torch
-
-from kvchat.native import cpuinfo
-
-
-def cpu_has_bf16() -> bool:
-    """True when the CPU computes bf16 natively (AVX512-BF16 or AMX); then bf16 is fastest."""
-    flags = cpuinfo()
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def cpu_name() -> str:
-    """The CPU's model name ("AMD EPYC ...", "Intel(R) Xeon(R) ..."), for benchmark reports:
-    speed differs by machine class, so every result says which one it ran on."""
-    for line in cpuinfo().splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "model name" and value.strip():
-            return value.strip()
-    return platform.processor() or platform.machine()
 
 
 def resolve_device(setting: str) -> torch.device:
@@ -36,12 +17,12 @@ def resolve_device(setting: str) -> torch.device:
     return torch.device(setting)
 
 
-def resolve_dtype(setting: str, device: torch.device) -> torch.dtype:
-    if setting == "auto":
-        # Without native bf16, bf16 matmuls run emulated and fp32 is faster.
-        fast_bf16 = device.type == "cuda" or cpu_has_bf16()
-        return torch.bfloat16 if fast_bf16 else torch.float32
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[setting]
+def resolve_dtype(setting: str) -> torch.dtype:
+    """bf16 for `auto` on every device: activations, the KV cache and the C++ kernels' inputs
+    are 16-bit everywhere, so every CPU keeps the same values and the same cache size (where
+    bf16 products are not in hardware, the large ones run in fp32 on the widened values:
+    kvchat.native.cpu)."""
+    return torch.float32 if setting == "float32" else torch.bfloat16
 
 
 def configure_threads(threads: int) -> int:

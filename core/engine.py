@@ -451,7 +451,7 @@ class Engine:
             settings = replace(settings, model=replace(settings.model, path=model_spec))
         source = resolve_model_path(spec)
         device = resolve_device(settings.model.device)
-        dtype = resolve_dtype(settings.model.dtype, device)
+        dtype = resolve_dtype(settings.model.dtype)
         threads = configure_threads(settings.long_context.threads_num or settings.model.threads)
         # The first process on a machine compiles the CPU kernels (~30-80 s): let loading pay
         # it, not the first question.

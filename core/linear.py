@@ -2,8 +2,13 @@
 
 GGUF Q4_0/Q4_1 weights are exact 4-bit integers in groups of 32, so on the CPU with bf16
 activations they run as int4 and read a quarter of the bytes: through core/csrc/int4_layer.cpp
-where it has its AVX512-BF16 and VNNI path, else through PyTorch's int4 group-32 kernel. Every other
-case is a plain matrix in the compute dtype.
+where it has a vector path for the CPU (AVX-512 VNNI, AVX2), else through PyTorch's int4
+group-32 kernel. Every other case is a plain matrix in the compute dtype.
+
+Products of many rows in bf16 run in hardware where the CPU has bf16 products
+(kvchat.native.cpu); elsewhere torch emulates them at a fraction of fp32's speed, so they run in
+fp32 on the bf16 values widened (exact products: the results differ from the hardware's only
+in the order of the fp32 sums).
 """
 
 from __future__ import annotations
@@ -13,6 +18,8 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+from kvchat.native.cpu import widened_products
 
 from .int4_layer import Int4Pack, pack_int4
 from .weights import GROUP_SIZE, Int4Groups, Int8Groups
@@ -31,30 +38,53 @@ class Linear(Protocol):
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
 
-class DenseLinear:
-    """y = x @ W.T + b. bf16 weights on the CPU are also kept prepacked for oneDNN: a one-row
-    product (every decode step, and the output layer, the largest matrix) runs ~2x faster
-    than through F.linear, which goes to MKL's slow path for a single row."""
+def widened_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """F.linear in fp32 on x and the weight widened (either may be fp32 already), in x's dtype."""
+    y = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+    return y.to(x.dtype)
 
-    def __init__(
-        self, weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool = True
-    ) -> None:
+
+class DenseLinear:
+    """y = x @ W.T + b. A bf16 weight on the CPU is also kept as a second copy (`copy`) in the
+    layout its products run fastest from: prepacked for oneDNN where bf16 products are in
+    hardware (a one-row product, every decode step's and the output layer's, runs ~2x faster
+    than through F.linear, which goes to MKL's slow path for a single row), else widened to
+    fp32. Without the copy such products widen the weight at each call."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, copy: bool = True) -> None:
         self.weight, self.bias = weight, bias
         self.out_features = weight.shape[0]
-        self._packed = (
-            torch.ops.mkldnn._reorder_linear_weight(weight, 1)
-            if prepack
+        widened = widened_products(weight.device, weight.dtype)
+        self._copy: torch.Tensor | None = None
+        if widened:
+            self._copy = weight.float() if copy else None
+            self._product = self._widened
+        elif (
+            copy
             and weight.device.type == "cpu"
             and weight.dtype == torch.bfloat16
             and torch.backends.mkldnn.is_available()
-            else None
-        )
-        self.nbytes = _nbytes(weight, bias, self._packed)
-        self.read_bytes = _nbytes(weight if self._packed is None else self._packed, bias)
+        ):
+            self._copy = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            self._product = self._prepacked
+        else:
+            self._product = self._plain
+        self.nbytes = _nbytes(weight, bias, self._copy)
+        self.read_bytes = _nbytes(weight if self._copy is None else self._copy, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+        return self._product(x)
+
+    def _prepacked(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self._copy, self.bias, "none", [], "")
+
+    def _widened(self, x: torch.Tensor) -> torch.Tensor:
+        weight = self.weight if self._copy is None else self._copy
+        return widened_linear(x, weight, self.bias)
+
+    def _plain(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
 
@@ -101,6 +131,9 @@ class PackedInt4Linear:
         self.pack, self.bias, self._ops = pack, bias, ops
         self.out_features = pack.out_features
         self.nbytes = self.read_bytes = pack.nbytes + _nbytes(bias)
+        self._matrix_product = (
+            widened_linear if widened_products(torch.device("cpu"), torch.bfloat16) else F.linear
+        )
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -108,7 +141,8 @@ class PackedInt4Linear:
             y = self._ops.int4_linear(rows, *self.pack.parts)
             y = y if self.bias is None else y + self.bias
         else:
-            y = F.linear(rows, self._ops.int4_dequantize(*self.pack.parts), self.bias)
+            weight = self._ops.int4_dequantize(*self.pack.parts)
+            y = self._matrix_product(rows, weight, self.bias)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -115,8 +115,8 @@ class Transformer:
         self.norm = vec("model.norm.weight", h)
         self.lm_head: Linear
         # A tied head on the CPU shares the embedding table instead of holding a second copy
-        # (in bf16 it also holds a prepacked copy, counted in nbytes, unless it reads the
-        # file's Q8_0 table).
+        # (in bf16 it also holds a second copy for its products, counted in nbytes, unless it
+        # reads the file's Q8_0 table).
         self._head_is_embed = cfg.tie_word_embeddings and self.device.type == "cpu"
         head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
         q8 = weights.int8.get(f"{head}.weight") if weight_format == "int4" else None
@@ -126,7 +126,7 @@ class Transformer:
                 if self._head_is_embed
                 else tensor(f"{head}.weight", (cfg.vocab_size, h)).to(self.device, dtype)
             )
-            self.lm_head = Int8Linear(q8, DenseLinear(table, None, prepack=False), ops)
+            self.lm_head = Int8Linear(q8, DenseLinear(table, None, copy=False), ops)
         elif self._head_is_embed:
             self.lm_head = DenseLinear(self.embed, None)
         else:

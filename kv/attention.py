@@ -4,11 +4,16 @@ A query reads several disjoint key sets (sinks, retrieved blocks, the local wind
 chunk's own keys). For a chunk of queries each set runs on the CPU flash kernel and the
 partial results are merged by log-sum-exp; for one decode query the scores of all sets are
 put through one softmax, which is cheaper than a kernel call per set.
+
+bf16 on a CPU without bf16 products in hardware runs in fp32 on the widened values
+(kvchat.native.cpu), and the output is rounded back to bf16.
 """
 
 from __future__ import annotations
 
 import torch
+
+from kvchat.native.cpu import widened_products
 
 from .merge import merge_partials
 
@@ -23,6 +28,9 @@ def partial_attention(
     `causal` aligns the last query with the last key (the chunk attending to itself). Without a
     mask, the query heads of a GQA group are folded onto their KV head so keys are read once.
     """
+    if widened_products(q.device, q.dtype):
+        out, lse = partial_attention(q.float(), k.float(), v.float(), causal, scale)
+        return out.to(q.dtype), lse
     n_heads, t, dim = q.shape
     n_kv = k.shape[0]
     group = n_heads // n_kv
@@ -87,7 +95,11 @@ def decode_attention(
     KV head's query group, [n_kv, S_0] fp32 (the attention its keys received).
     A plain matmul-softmax-matmul beats scaled_dot_product_attention for one query here.
     """
-    n_heads, _, dim = parts[0][0].shape
+    q0 = parts[0][0]
+    if widened_products(q0.device, q0.dtype):
+        out, received = decode_attention([(q.float(), k.float(), v.float()) for q, k, v in parts])
+        return out.to(q0.dtype), received
+    n_heads, _, dim = q0.shape
     n_kv = parts[0][1].shape[0]
     group = n_heads // n_kv
     scores = [_per_head(q.reshape(n_kv, group, dim), k.transpose(1, 2)) for q, k, _ in parts]

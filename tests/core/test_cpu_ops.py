@@ -91,7 +91,7 @@ def test_int8_linear_is_the_exact_weights_product_within_its_inputs_rounding(dty
 
 def test_int8_head_takes_one_row_and_leaves_more_to_the_dense_matrix():
     groups = _groups(500, 576)
-    dense = DenseLinear(groups.dequantize().bfloat16(), None, prepack=False)
+    dense = DenseLinear(groups.dequantize().bfloat16(), None, copy=False)
     head = Int8Linear(groups, dense, OPS)
     x = _bf16(1, 576, seed=5)
     exact = x.double() @ groups.dequantize().double().T
