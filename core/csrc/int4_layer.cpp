@@ -8,28 +8,28 @@
 // tile of 16 rows stored so that 64 bytes hold 8 adjacent inputs of each of the 16 rows (4 in
 // the low nibbles, the next 4 in the high ones, a row's 4 in one 32-bit lane). The input row
 // is quantized per group of 32 to 16-bit integers, x ~ dx (256 h + l) with dx = max |x| /
-// 32512 and h, l int8, so vpdpbusd multiplies 16 rows' unsigned nibbles q by 4 (broadcast)
-// inputs' h, and again by their l, summing exactly in int32: D = 256 sum q h + sum q l over a
-// group (under 2^24, so exact in fp32 too), which adds scale dx D + minimum X to each row,
-// X = sum x in fp32. The scales stay the file's fp16 values (torch's int4 kernel rounds them
-// to bf16).
+// 32512 and h, l int8 (quant_row.h). AVX-512 VNNI: vpdpbusd multiplies 16 rows' unsigned
+// nibbles q by 4 (broadcast) inputs' h, and again by their l, summing exactly in int32. AVX2
+// (no VNNI): vpmaddubsw does the same for 8 rows a 32-byte half, into pairs of 16-bit sums
+// that a group's 8 products a row never overflow (|8 * 2 * 15 * 128| < 2^15), widened once a
+// group with vpmaddwd. Either way D = 256 sum q h + sum q l over a group (under 2^24, so exact
+// in fp32 too), which adds scale dx D + minimum X to each row, X = sum x in fp32. The scales
+// stay the file's fp16 values (torch's int4 kernel rounds them to bf16).
 //
-// Why integer inputs: a nibble made a bf16 (the layout before) took six vector ops for 64
-// products where the two vpdpbusd take five for 128, so the bf16 kernel was bound by its
-// arithmetic even with the weights in the L3 (30 layers' tails: 2.8 ms warm, 3.9 ms from
-// DRAM; 1.8 and 3.0 ms now). Each input is within dx / 2 of its value, 1/65024 of its group's
-// largest, where bf16 inputs were within 2^-9 of their own: decode stays as close to the exact
-// weights as before (mean KL to the fp32 engine's next-token distribution 0.0009 against
+// Why integer inputs: a nibble made a bf16 takes six vector ops for 64 products where the two
+// vpdpbusd take five for 128, so a bf16 kernel is bound by its arithmetic even with the
+// weights in the L3. Each input is within dx / 2 of its value, 1/65024 of its group's
+// largest, where bf16 inputs are within 2^-9 of their own: decode stays as close to the exact
+// weights as bf16 inputs (mean KL to the fp32 engine's next-token distribution 0.0009 against
 // 0.0010 over 280 tokens of README.md). One int8 pass alone (llama.cpp's Q8 inputs, 1/254 of
-// the largest) was ~0.2 ms faster and sixteen times further (mean KL 0.016).
+// the largest) is slightly faster and sixteen times further (mean KL 0.016).
 //
-// Why fused: a decode step ran torch's int4 kernel 120 times (four products a layer), each
-// call with its Python, its dispatch and its own fork and join of the two threads, and the
-// norm, SiLU and residual adds between them as separate calls; the main thread of a 128K step
-// spent ~16% of its samples waiting in OpenMP for the other thread and ~25% in Python and
-// small ops (py-spy). Here a layer is two calls with two barriers inside the second.
-// Every intermediate is rounded to bf16 where the single ops round, so the fused calls give
-// bit for bit what int4_linear, rms_norm, silu_mul and bf16 adds give one after another.
+// Why fused: a decode step would run an int4 product 120 times (four a layer), each call with
+// its Python, its dispatch and its own fork and join of the two threads, and the norm, SiLU
+// and residual adds between them as separate calls. Here a layer is two calls with two
+// barriers inside the second. Every intermediate is rounded to bf16 where the single ops
+// round, so the fused calls give bit for bit what int4_linear, rms_norm, silu_mul and bf16
+// adds give one after another.
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
@@ -43,15 +43,8 @@
 #include "decoder_ops.h"
 #include "quant_row.h"
 
-// AVX512-BF16 for the bf16 products of prefill chunks (core/linear.py), VNNI for decode's.
-#if defined(__AVX512BF16__) && KVCHAT_VNNI
-#define KVCHAT_INT4_VNNI 1
-#else
-#define KVCHAT_INT4_VNNI 0
-#endif
-
 namespace kvchat {
-const bool int4_vectorized = KVCHAT_INT4_VNNI;
+const bool int4_vectorized = KVCHAT_VNNI || KVCHAT_AVX2_INT;
 }  // namespace kvchat
 
 namespace {
@@ -61,7 +54,7 @@ using kvchat::float_to_bf16;
 using kvchat::QuantBuffer;
 using kvchat::QuantRow;
 using kvchat::quantize_groups;
-#if KVCHAT_INT4_VNNI
+#if KVCHAT_VNNI
 using kvchat::broadcast4;
 #endif
 
@@ -102,7 +95,19 @@ const uint16_t* bf16_data(const torch::Tensor& t, int64_t numel, const char* wha
   return reinterpret_cast<const uint16_t*>(t.data_ptr());
 }
 
-#if KVCHAT_INT4_VNNI
+#if KVCHAT_VNNI
+// 16 fp32 values as bf16, rounded to nearest even as torch rounds.
+inline __m256i bf16x16(__m512 x) {
+#if defined(__AVX512BF16__)
+  return (__m256i)_mm512_cvtneps_pbh(x);
+#else
+  const __m512i bits = _mm512_castps_si512(x);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i bias = _mm512_add_epi32(odd, _mm512_set1_epi32(0x7FFF));
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(bits, bias), 16));
+#endif
+}
+
 // Output rows 16 t .. 16 (t + NT) for the input row x, NT tiles side by side: one tile's chain
 // of vpdpbusd waits on its latency, two keep the core busy.
 template <int NT>
@@ -145,11 +150,67 @@ void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out
     }
   }
   for (int i = 0; i < NT; ++i)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * (t + i)),
-                        (__m256i)_mm512_cvtneps_pbh(acc[i]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 16 * (t + i)), bf16x16(acc[i]));
+}
+#elif KVCHAT_AVX2_INT
+// The same products on AVX2: each 64-byte chunk as two halves of 8 rows. A half's nibbles
+// times 4 inputs' h (and l) by vpmaddubsw, two 16-bit sums a row; the group's 8 of them (4
+// chunks, low and high nibbles) add up in 16 bits, then vpmaddwd makes them one int32 a row.
+template <int NT>
+void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out) {
+  const int64_t K = m.K, G = K / 32;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[NT][2];
+  for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i high[NT][2], low[NT][2];
+    for (int i = 0; i < NT; ++i) {
+      high[i][0] = high[i][1] = low[i][0] = low[i][1] = _mm256_setzero_si256();
+      kvchat::prefetch_bytes(m.packed + (t + i) * 8 * K + (g + 4) * 256, 256);
+    }
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; ++c) {
+      const int64_t k = 32 * g + 8 * c;
+      const __m256i h0 = kvchat::broadcast4_256(x.high + k);
+      const __m256i h1 = kvchat::broadcast4_256(x.high + k + 4);
+      const __m256i l0 = kvchat::broadcast4_256(x.low + k);
+      const __m256i l1 = kvchat::broadcast4_256(x.low + k + 4);
+      for (int i = 0; i < NT; ++i)
+        for (int half = 0; half < 2; ++half) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+              m.packed + (t + i) * 8 * K + g * 256 + 64 * c + 32 * half));
+          const __m256i q0 = _mm256_and_si256(w, nibble);
+          const __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+          high[i][half] = _mm256_add_epi16(
+              high[i][half],
+              _mm256_add_epi16(_mm256_maddubs_epi16(q0, h0), _mm256_maddubs_epi16(q1, h1)));
+          low[i][half] = _mm256_add_epi16(
+              low[i][half],
+              _mm256_add_epi16(_mm256_maddubs_epi16(q0, l0), _mm256_maddubs_epi16(q1, l1)));
+        }
+    }
+    const __m256 dx = _mm256_set1_ps(x.scale[g]), sum = _mm256_set1_ps(x.sums[g]);
+    for (int i = 0; i < NT; ++i)
+      for (int half = 0; half < 2; ++half) {
+        const int64_t at = ((t + i) * G + g) * 16 + 8 * half;
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m.scale + at)));
+        const __m256 mn =
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m.minimum + at)));
+        const __m256i d = _mm256_add_epi32(
+            _mm256_slli_epi32(_mm256_madd_epi16(high[i][half], ones), 8),
+            _mm256_madd_epi16(low[i][half], ones));
+        acc[i][half] = _mm256_fmadd_ps(_mm256_mul_ps(s, dx), _mm256_cvtepi32_ps(d), acc[i][half]);
+        acc[i][half] = _mm256_fmadd_ps(mn, sum, acc[i][half]);
+      }
+  }
+  for (int i = 0; i < NT; ++i)
+    for (int half = 0; half < 2; ++half)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * (t + i) + 8 * half),
+                       kvchat::bf16x8(acc[i][half]));
 }
 #else
-// The same products one value at a time (CPUs without AVX512-BF16 and VNNI; core/linear.py
+// The same products one value at a time (CPUs without AVX2 or AVX-512 VNNI; core/linear.py
 // uses torch's kernel there, this keeps the op correct everywhere).
 template <int NT>
 void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out) {
