@@ -10,8 +10,9 @@
 // accumulate the values, with the probabilities rounded to bf16 (a relative 2^-9, below the
 // bf16 output's own rounding); 30 layers of a 128K decode step: 10.3 ms of attention with
 // fp32 arithmetic on widened rows, ~7 ms with pair-product scores, ~6.6 ms with pair-product
-// values as well. On Intel's cores, where pair products are slow, fp32 FMAs read the bf16
-// rows widened in registers (a 32-bit word's two bf16 halves by a shift and a mask). The next
+// values as well. On Intel's cores, where pair products are slow, and on AVX2 CPUs (8 lanes),
+// fp32 FMAs read the bf16 rows widened in registers (a 32-bit word's two bf16 halves by a
+// shift and a mask). The next
 // tile's rows are prefetched to L2 rather than L1, which a tile's K and V, their value pairs
 // and the next tile's rows overflow: 30 layers of a 128K step replayed on the Xeon, 10.8 ->
 // 10.3 ms.
@@ -35,12 +36,20 @@
 #include "bf16.h"
 #include "kernels.h"
 
+// The FMA path per CPU level (the build's -march picks it): 512-bit or 256-bit vectors.
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define KVCHAT_AVX512 1
+#define KVCHAT_AVX2 0
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define KVCHAT_AVX512 0
+#define KVCHAT_AVX2 1
 #else
 #define KVCHAT_AVX512 0
+#define KVCHAT_AVX2 0
 #endif
+#define KVCHAT_FMA (KVCHAT_AVX512 || KVCHAT_AVX2)
 
 #if defined(__AVX512BF16__)
 #define KVCHAT_DPBF16 1
@@ -62,9 +71,13 @@
 namespace {
 
 // How a tile's products are computed: fp32 on rows widened a tile at a time (any CPU, any
-// dtype), fp32 FMAs on bf16 rows widened in registers (AVX-512), or bf16 pair products
+// dtype), fp32 FMAs on bf16 rows widened in registers (AVX-512 or AVX2), or bf16 pair products
 // (AVX512-BF16).
 enum class Math { Scalar, Fma, PairProducts };
+
+// The bf16 values of one vector register, which the FMA path widens into its even and its odd
+// half.
+constexpr int FMA_CHUNK = KVCHAT_AVX512 ? 32 : 16;
 
 constexpr int64_t TILE = 128;
 static_assert(TILE % 2 == 0, "accumulate_dpbf16 interleaves a tile's rows in pairs");
@@ -384,11 +397,190 @@ void accumulate_fma(const float* p, int G, const uint16_t* vb, int64_t stride, i
   }
 }
 
-// Where accumulate_fma keeps output element d: per 32-value chunk, the even elements in the
-// first vector and the odd ones in the second.
+#endif
+
+#if KVCHAT_AVX2
+// The AVX2 path: the AVX-512 one's arithmetic on 8 lanes, with 16 registers (so 4 key rows a
+// step of the scores, one query a pass of the values) and no masked loads or scalef.
+
+// exp(x) for 8 values (exp16's polynomial; 2^n built in the exponent bits, so x is held above
+// -87, where exp is ~1e-38: below any probability a bf16 output resolves).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+// Lanes 0 .. min(n, 8) - 1 as an all-ones mask.
+inline __m256i first_lanes(int64_t n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(std::min<int64_t>(n, 8))),
+                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+inline float sum8(__m256 v) {
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+
+inline float max8(__m256 v) {
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
+}
+
+// The tile's softmax numerators in place, s[t] = exp(s[t] - mx); their sum. (ROUND_BF16 is for
+// the pair products, which an AVX2 build never chooses.)
+template <bool ROUND_BF16>
+float exp_sum(float* s, int64_t n, float mx) {
+  const __m256 m = _mm256_set1_ps(mx);
+  __m256 sum = _mm256_setzero_ps();
+  for (int64_t t = 0; t < n; t += 8) {
+    const __m256i k = first_lanes(n - t);
+    const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_maskload_ps(s + t, k), m)),
+                                   _mm256_castsi256_ps(k));
+    _mm256_maskstore_ps(s + t, k, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  return sum8(sum);
+}
+
+inline float max_of(const float* s, int64_t n, float start) {
+  const __m256 floor = _mm256_set1_ps(start);
+  __m256 m = floor;
+  for (int64_t t = 0; t < n; t += 8) {
+    const __m256i k = first_lanes(n - t);
+    m = _mm256_max_ps(m, _mm256_blendv_ps(floor, _mm256_maskload_ps(s + t, k),
+                                          _mm256_castsi256_ps(k)));
+  }
+  return max8(m);
+}
+
+// Lane i (< 4) of the result: the sum of v[i]'s 8 lanes.
+inline __m128 sum_lanes4(const __m256* v) {
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  return _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+}
+
+// bf16 values 2i (even) and 2i + 1 (odd) of 16 as fp32: a word's low and high halves.
+inline __m256 even_values(__m256i x) { return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16)); }
+inline __m256 odd_values(__m256i x) {
+  return _mm256_castsi256_ps(_mm256_and_si256(x, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
+// scores_fma for N (<= 3) queries: 4 key rows at a time, each widened once for all N; the
+// first group of queries (`first`) prefetches the next tile's rows.
+template <int D, int N>
+void scores_fma_group(const float* qs, const uint16_t* kb, int64_t stride, int64_t tn, float scale,
+                      const Ahead& ahead, bool first, float* s) {
+  constexpr int W = D / 16;
+  const __m128 sc = _mm_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < tn; t0 += 4) {
+    const int64_t n = std::min<int64_t>(4, tn - t0);
+    __m256 acc[N][4];
+    for (int g = 0; g < N; ++g)
+      for (int r = 0; r < 4; ++r) acc[g][r] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+    for (int r = 0; r < 4; ++r) {
+      if (first) prefetch_row(ahead.k, ahead, t0 + r);
+      if (r < n) {
+        const uint16_t* row = kb + (t0 + r) * stride;
+#pragma GCC unroll 16
+        for (int j = 0; j < W; ++j) {
+          const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * j));
+          const __m256 e = even_values(x), o = odd_values(x);
+          for (int g = 0; g < N; ++g) {
+            acc[g][r] = _mm256_fmadd_ps(e, _mm256_loadu_ps(qs + g * D + 16 * j), acc[g][r]);
+            acc[g][r] = _mm256_fmadd_ps(o, _mm256_loadu_ps(qs + g * D + 16 * j + 8), acc[g][r]);
+          }
+        }
+      }
+    }
+    for (int g = 0; g < N; ++g) {
+      const __m128 sums = _mm_mul_ps(sum_lanes4(acc[g]), sc);
+      if (n == 4) {
+        _mm_storeu_ps(s + g * TILE + t0, sums);
+      } else {
+        float lanes[4];
+        _mm_storeu_ps(lanes, sums);
+        std::copy(lanes, lanes + n, s + g * TILE + t0);
+      }
+    }
+  }
+}
+
+// Scores of tn bf16 key rows for the G queries, as the AVX-512 path computes them. qs: the
+// queries split as the keys are, per 16-value chunk its 8 even then its 8 odd values.
+template <int D>
+void scores_fma(const float* qs, int G, const uint16_t* kb, int64_t stride, int64_t tn, float scale,
+                const Ahead& ahead, float* s) {
+  for (int g = 0; g < G; g += 3) {
+    const float* qg = qs + g * D;
+    float* sg = s + g * TILE;
+    switch (std::min(3, G - g)) {
+      case 3: scores_fma_group<D, 3>(qg, kb, stride, tn, scale, ahead, g == 0, sg); break;
+      case 2: scores_fma_group<D, 2>(qg, kb, stride, tn, scale, ahead, g == 0, sg); break;
+      default: scores_fma_group<D, 1>(qg, kb, stride, tn, scale, ahead, g == 0, sg); break;
+    }
+  }
+}
+
+// acc += sum over the tile's rows of p[t] * v[t] for one query, D / 8 accumulators held in
+// registers; the first query (`first`) prefetches the next tile's rows.
+template <int D>
+void accumulate_fma_one(const float* p, const uint16_t* vb, int64_t stride, int64_t tn,
+                        const Ahead& ahead, bool first, float* acc) {
+  constexpr int W = D / 16;
+  if constexpr (W > 4) {
+    // Over 16 accumulators: two passes over halves of the row.
+    accumulate_fma_one<D / 2>(p, vb, stride, tn, ahead, first, acc);
+    accumulate_fma_one<D / 2>(p, vb + D / 2, stride, tn, Ahead{}, false, acc + D / 2);
+  } else {
+    __m256 a[2 * W];
+    for (int j = 0; j < 2 * W; ++j) a[j] = _mm256_loadu_ps(acc + 8 * j);
+    for (int64_t t = 0; t < tn; ++t) {
+      if (first) prefetch_row(ahead.v, ahead, t);
+      const uint16_t* row = vb + t * stride;
+      const __m256 w = _mm256_set1_ps(p[t]);
+#pragma GCC unroll 8
+      for (int j = 0; j < W; ++j) {
+        const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 16 * j));
+        a[2 * j] = _mm256_fmadd_ps(w, even_values(x), a[2 * j]);
+        a[2 * j + 1] = _mm256_fmadd_ps(w, odd_values(x), a[2 * j + 1]);
+      }
+    }
+    for (int j = 0; j < 2 * W; ++j) _mm256_storeu_ps(acc + 8 * j, a[j]);
+  }
+}
+
+// acc[g] += sum over the tile's rows of p[g][t] * v[t] in fp32 FMAs on the rows widened as
+// scores_fma widens keys; acc holds each chunk's even outputs, then its odd ones (fma_slot).
+template <int D>
+void accumulate_fma(const float* p, int G, const uint16_t* vb, int64_t stride, int64_t tn,
+                    const Ahead& ahead, float* acc) {
+  for (int g = 0; g < G; ++g)
+    accumulate_fma_one<D>(p + g * TILE, vb, stride, tn, ahead, g == 0, acc + g * D);
+}
+#endif
+
+#if KVCHAT_FMA
+// Where accumulate_fma keeps output element d: per FMA_CHUNK-value chunk, the even elements in
+// the first vector and the odd ones in the second.
 inline int64_t fma_slot(int64_t d) {
-  const int64_t r = d & 31;
-  return (d & ~31) + ((r & 1) << 4) + (r >> 1);
+  constexpr int64_t half = FMA_CHUNK / 2;
+  const int64_t r = d % FMA_CHUNK;
+  return d - r + (r & 1) * half + (r >> 1);
 }
 #endif
 
@@ -493,7 +685,7 @@ inline int64_t dpbf16_slot(int64_t d) {
 // Where the paths keep output element d in their accumulators.
 template <Math M>
 int64_t slot(int64_t d) {
-#if KVCHAT_AVX512
+#if KVCHAT_FMA
   if constexpr (M == Math::Fma) return fma_slot(d);
 #endif
 #if KVCHAT_DPBF16
@@ -521,12 +713,13 @@ void attend(const float* q, int G, const std::vector<KeySet>& sets, const KeyRun
             float scale, float* m, float* l, float* acc) {
   std::vector<float> s(G * TILE), tile(M == Math::Scalar ? TILE * D : 0);
   std::vector<uint16_t> pairs(M == Math::PairProducts ? TILE * D : 0);
-  // The queries as the fast paths read them: split into even and odd values per 32-value
-  // chunk (FMA), or rounded to bf16 (pair products: exact for the model's bf16 queries).
+  // The queries as the fast paths read them: split into even and odd values per FMA_CHUNK
+  // values (FMA), or rounded to bf16 (pair products: exact for the model's bf16 queries).
   std::vector<float> qs(M == Math::Fma ? 2 * G * D : 0);
+  constexpr size_t half = FMA_CHUNK / 2;
   for (size_t i = 0; i < qs.size(); ++i) {
-    const size_t chunk = i / 32, k = i % 32;
-    qs[i] = q[chunk * 32 + (k < 16 ? 2 * k : 2 * (k - 16) + 1)];
+    const size_t chunk = i / FMA_CHUNK, k = i % FMA_CHUNK;
+    qs[i] = q[chunk * FMA_CHUNK + (k < half ? 2 * k : 2 * (k - half) + 1)];
   }
 #if KVCHAT_DPBF16
   std::vector<__m512bh> qb(M == Math::PairProducts ? 2 * G * D / 32 : 0);
@@ -593,7 +786,7 @@ void attend(const float* q, int G, const std::vector<KeySet>& sets, const KeyRun
         stride = D;
       }
       if constexpr (M == Math::Fma) {
-#if KVCHAT_AVX512
+#if KVCHAT_FMA
         scores_fma<D>(qs.data() + set.qid * G * D, G, reinterpret_cast<const uint16_t*>(kb),
                       stride, tn, scale, ahead, s.data());
 #endif
@@ -622,7 +815,7 @@ void attend(const float* q, int G, const std::vector<KeySet>& sets, const KeyRun
         float mx = m[g];
         float sum = 0.f;
         if constexpr (M != Math::Scalar) {
-#if KVCHAT_AVX512
+#if KVCHAT_FMA
           mx = max_of(sg, tn, mx);
           sum = exp_sum<M == Math::PairProducts>(sg, tn, mx);
 #endif
@@ -642,7 +835,7 @@ void attend(const float* q, int G, const std::vector<KeySet>& sets, const KeyRun
         for (int d = 0; d < D; ++d) a[d] *= corr;
       }
       if constexpr (M == Math::Fma) {
-#if KVCHAT_AVX512
+#if KVCHAT_FMA
         accumulate_fma<D>(s.data(), G, reinterpret_cast<const uint16_t*>(vb), stride, tn, ahead,
                           acc);
 #endif
@@ -802,7 +995,7 @@ void kvchat::attend_sets(const float* q, int64_t n_kv, int64_t G, int64_t D, boo
   Math math = Math::Scalar;
   if (KVCHAT_DPBF16 && PAIR_PRODUCTS_FASTER && bf16_queries)
     math = Math::PairProducts;
-  else if (KVCHAT_AVX512)
+  else if (KVCHAT_FMA)
     math = Math::Fma;
   const int g = static_cast<int>(G);
   switch (D) {
