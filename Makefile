@@ -22,9 +22,20 @@ setup: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/kvchat
 
+# The C++ kernels have a path per CPU level. On a CPU above AVX2 their tests (and the engine's
+# against transformers) run a second time on the kernels built for x86-64-v3: what an
+# AVX2-only CPU runs.
+LEVEL_TESTS := tests/kv/test_cpu_kernel.py tests/kv/test_decode_layer.py \
+	tests/kv/test_device_cache.py tests/core/test_int4_layer.py tests/core/test_cpu_ops.py \
+	tests/core/test_engine.py
+ABOVE_AVX2 := from kvchat.native.cpu import CpuLevel, machine_level; \
+	raise SystemExit(machine_level().rank <= CpuLevel.AVX2.rank)
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	if $(PY) -c "$(ABOVE_AVX2)"; then \
+		KVCHAT_CPU_LEVEL=avx2 $(PY) -m pytest -q -p no:cacheprovider $(LEVEL_TESTS); fi
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -1,7 +1,8 @@
-"""`kvchat bench speed`: prefill and decode tok/s of our engine and of transformers, one run.
+"""`kvchat bench speed`: prefill and decode tok/s of our engine and of baselines, one run.
 
-Both run in this process on the same weights and the same prompt, so the ratio between them
-is meaningful on a shared, noisy machine even when the absolute numbers wander.
+The baselines (transformers, llama.cpp: core/baselines.py) run in this process on the same
+weights, the same prompt and the same threads, so the ratio between them is meaningful on a
+shared, noisy machine even when the absolute numbers wander.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import torch
 from kvchat.config import Settings
 from kvchat.native.cpu import cpu_name
 
+from .baselines import BaselineName, load_baseline
 from .engine import Engine, Session
 from .haystack import make_passkey_document
 from .memory import peak_rss, process_rss, reset_peak_rss
-from .weights import resolve_model_path
 
 Log = Callable[[str], None]
 # Decode steps run before the clock starts: the first step after a prefill builds the kernels'
@@ -148,42 +149,6 @@ def _gib(n: int) -> str:
     return f"{n / 1024**3:.3f}"
 
 
-def _load_transformers(spec: str):
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM
-
-    path = resolve_model_path(spec)
-    if path.is_dir():
-        return AutoModelForCausalLM.from_pretrained(path).eval()
-    return AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name).eval()
-
-
-def _bench_transformers(model, ids: list[int], decode_tokens: int) -> dict[str, float]:
-    with torch.inference_mode():
-        started = time.perf_counter()
-        out = model(torch.tensor([ids]), use_cache=True)
-        prefill_s = time.perf_counter() - started
-        past = out.past_key_values
-        token = out.logits[0, -1].argmax().view(1, 1)
-        started = time.perf_counter()
-        for step in range(WARMUP_TOKENS + decode_tokens):
-            if step == WARMUP_TOKENS:
-                warmup_s = time.perf_counter() - started
-                started = time.perf_counter()
-            out = model(token, past_key_values=past, use_cache=True)
-            past = out.past_key_values
-            token = out.logits[0, -1].argmax().view(1, 1)
-        decode_s = time.perf_counter() - started
-    return {
-        "prefill_tok_s": len(ids) / prefill_s,
-        "decode_tok_s": decode_tokens / decode_s,
-        # The untimed steps right after the prefill, before the steady rate above.
-        "warmup_tok_s": WARMUP_TOKENS / warmup_s,
-        "prefill_s": prefill_s,
-        "decode_s": decode_s,
-    }
-
-
 def _compare(row: dict, name: str, ours: dict, theirs: dict) -> str:
     """Add a baseline's numbers and our speed-up over it to `row`; return the log text."""
     row[name] = theirs
@@ -200,11 +165,11 @@ def run_speed_bench(
     contexts: list[int],
     model_spec: str | None = None,
     decode_tokens: int = 32,
-    with_transformers: bool = True,
+    baselines: Sequence[BaselineName] = (BaselineName.TRANSFORMERS,),
     compare_dense: Sequence[int] = (),
     log: Log = print,
 ) -> dict:
-    """Measure kvchat (and transformers, and kvchat with dense attention at the sizes in
+    """Measure kvchat (and the `baselines`, and kvchat with dense attention at the sizes in
     `compare_dense`) at every context size; returns a JSON-ready dict with ratios."""
     # A context decodes its own tokens, then as many again and more in the interleaved rounds.
     extra = WARMUP_TOKENS + decode_tokens + INTERLEAVED_ROUNDS * _per_round(decode_tokens)
@@ -216,7 +181,8 @@ def run_speed_bench(
     dense = engine.with_settings(
         replace(settings, long_context=replace(settings.long_context, attention="dense"))
     )
-    hf = _load_transformers(model_spec or settings.model.path) if with_transformers else None
+    spec = model_spec or settings.model.path
+    others = [load_baseline(name, spec, longest, engine.threads) for name in baselines]
     # The copy rate of this shared machine has read anywhere from 33 to 78 GB/s from one run
     # to the next: it is measured before and after every context, and the roofline is the
     # best of them (what the machine showed it can do in this run).
@@ -245,8 +211,9 @@ def run_speed_bench(
                 f"({vs['decode_tok_s']:.1f} / {vs['first_decode_tok_s']:.1f} tok/s)"
             )
         live.session.drop_cache()
-        if hf is not None:
-            line += _compare(row, "transformers", ours, _bench_transformers(hf, ids, decode_tokens))
+        for other in others:
+            theirs = other.measure(ids, decode_tokens, WARMUP_TOKENS)
+            line += _compare(row, other.name, ours, theirs)
         if n in compare_dense and engine.settings.long_context.attention != "dense":
             theirs = _measure_once(dense, ids, decode_tokens)
             line += _compare(row, "dense", ours, theirs)
@@ -273,6 +240,8 @@ def run_speed_bench(
         "model": stats.model,
         "dtype": stats.dtype,
         "weight_format": stats.weight_format,
+        "compute": engine.compute_summary(),
+        "baselines": [other.name for other in others],
         "attention": stats.attention,
         "long_context": asdict(engine.settings.long_context),
         "threads": stats.threads,

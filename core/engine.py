@@ -22,7 +22,9 @@ from kvchat.kv.dense import DenseBackend
 from kvchat.kv.kernels import cpu_kernels
 from kvchat.kv.sparse import RETUNABLE, SparseBackend
 from kvchat.kv.state import StateMismatchError
+from kvchat.native.cpu import LEVEL_ENV, cpu_level, cpu_name, machine_level, widened_products
 
+from . import cpu_ops
 from .cancel import Cancelled
 from .conversation import Conversation
 from .device import configure_threads, resolve_device, resolve_dtype
@@ -560,6 +562,28 @@ class Engine:
         self.session.retune()
         return ApplyResult(
             *(tuple(key for key in changed if setting_effect(key) == e) for e in EFFECTS)
+        )
+
+    def compute_summary(self) -> str:
+        """One line on how this engine computes: the CPU level and its kernels, the dtype, the
+        weight format and how large products run (for `kvchat plan` and -v)."""
+        model, device = self.model, self.model.device
+        dtype = str(model.dtype).removeprefix("torch.")
+        if device.type != "cpu":
+            return f"compute: {device.type}, {dtype}, weights {self.weight_format}"
+        level = cpu_level()
+        kernels = {
+            "attention": cpu_kernels(device) is not None,
+            "weight products": cpu_ops.load() is not None,
+        }
+        built = ", ".join(f"{k} {'C++' if ok else 'torch'}" for k, ok in kernels.items())
+        products = "fp32 on widened bf16" if widened_products(device, model.dtype) else dtype
+        lowered = f" ({LEVEL_ENV}; the CPU runs {machine_level().value})"
+        return (
+            f"compute: {cpu_name()}, {level.value} kernels"
+            f"{lowered if level is not machine_level() else ''}; {dtype} activations and KV; "
+            f"weights {self.weight_format}; {built}; prefill products {products}; "
+            f"{self.threads} threads"
         )
 
     def plan(self, n_tokens: int) -> MemoryPlan:

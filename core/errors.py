@@ -7,6 +7,7 @@ let anything else surface as the bug it is.
 from __future__ import annotations
 
 from kvchat.config import ConfigError
+from kvchat.native.cpu import CpuLevelError
 
 from .documents import DocumentError
 from .model_config import UnsupportedModelError
@@ -23,4 +24,5 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     UnsupportedModelError,
     TokenizerError,
     SnapshotError,
+    CpuLevelError,
 )

@@ -133,13 +133,3 @@ def cpu_name() -> str:
         if key.strip() == "model name" and value.strip():
             return value.strip()
     return platform.processor() or platform.machine()
-
-
-def describe() -> str:
-    """One line for `kvchat plan` and -v: the level, and what it lowers."""
-    level = cpu_level()
-    text = f"{cpu_name()}, kernels for {level.value}"
-    if level is not machine_level():
-        text += f" ({LEVEL_ENV}; the CPU runs {machine_level().value})"
-    products = "bf16 in hardware" if level.bf16_products else "fp32 on widened bf16"
-    return f"{text}; large products {products}"

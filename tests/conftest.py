@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 # Must be set before any @triton.jit kernel runs, i.e. before kvchat.kv kernels are imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -16,6 +18,50 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_flush_denormal(True)
+
+
+@contextmanager
+def level_set_to(value: str | None) -> Iterator[None]:
+    """KVCHAT_CPU_LEVEL set to `value` (None: unset) inside the block, as a new process would
+    read it; the level before is back after. Kernels already built stay loaded: what changes
+    is every choice made from the level inside the block."""
+    from kvchat.native.cpu import LEVEL_ENV, cpu_level
+
+    before = os.environ.get(LEVEL_ENV)
+    cpu_level.cache_clear()
+    os.environ.pop(LEVEL_ENV, None)
+    if value is not None:
+        os.environ[LEVEL_ENV] = value
+    try:
+        yield
+    finally:
+        os.environ.pop(LEVEL_ENV, None)
+        if before is not None:
+            os.environ[LEVEL_ENV] = before
+        cpu_level.cache_clear()
+
+
+@pytest.fixture
+def at_level():
+    """level_set_to, for tests that make choices at another CPU level."""
+    return level_set_to
+
+
+TWICE_MODULE = """
+#include <pybind11/pybind11.h>
+int twice(int x) { return 2 * x; }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("twice", &twice); }
+"""
+
+
+@pytest.fixture
+def twice_source(tmp_path, monkeypatch):
+    """A one-function C++ extension's source, built into this test's own folder (a kernel
+    build without the torch headers' minutes)."""
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
+    source = tmp_path / "twice.cpp"
+    source.write_text(TWICE_MODULE)
+    return source
 
 
 @pytest.fixture(scope="session")

@@ -4,20 +4,17 @@ blocked by a build that was killed, and a failed build says what falls back."""
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 
 from kvchat import native
 from kvchat.native import build_extension, build_lock, build_name, build_reports
-from kvchat.native.cpu import LEVEL_ENV, CpuLevel, CpuLevelError, cpu_level, machine_level
+from kvchat.native.cpu import CpuLevel, CpuLevelError, cpu_level, machine_level
 
 # A child that takes the build lock, leaves torch's lock file as a build in progress does,
 # says so, and waits to be killed.
@@ -83,49 +80,22 @@ def test_a_header_beside_the_sources_names_a_new_build(tmp_path):
     assert build_name("kvchat_test", [source]) != first
 
 
-@contextmanager
-def level_set_to(value: str | None) -> Iterator[None]:
-    """KVCHAT_CPU_LEVEL set to `value` (None: unset) inside the block, as a new process would
-    read it; the level before is back after."""
-    before = os.environ.get(LEVEL_ENV)
-    cpu_level.cache_clear()
-    os.environ.pop(LEVEL_ENV, None)
-    if value is not None:
-        os.environ[LEVEL_ENV] = value
-    try:
-        yield
-    finally:
-        os.environ.pop(LEVEL_ENV, None)
-        if before is not None:
-            os.environ[LEVEL_ENV] = before
-        cpu_level.cache_clear()
-
-
-def test_a_lower_cpu_level_is_another_build_with_its_own_march(tmp_path):
+def test_a_lower_cpu_level_is_another_build_with_its_own_march(tmp_path, at_level):
     if machine_level() is CpuLevel.BASELINE:
         pytest.skip("this CPU runs no level below baseline")
     source = tmp_path / "ops.cpp"
     source.write_text("int f();\n")
-    with level_set_to("baseline"):
+    with at_level("baseline"):
         assert "-march=x86-64-v2" in native.flags()
         lowered = build_name("kvchat_test", [source])
-    with level_set_to(None):
+    with at_level(None):
         assert "-march=native" in native.flags()
         assert build_name("kvchat_test", [source]) != lowered
 
 
-MODULE = """
-#include <pybind11/pybind11.h>
-int twice(int x) { return 2 * x; }
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("twice", &twice); }
-"""
-
-
-def test_a_build_is_reported_while_it_runs_and_when_it_is_done(tmp_path, monkeypatch):
-    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
+def test_a_build_is_reported_while_it_runs_and_when_it_is_done(twice_source, monkeypatch):
     monkeypatch.setattr(native, "REPORT_INTERVAL_S", 0.2)
-    source = tmp_path / "twice.cpp"
-    source.write_text(MODULE)
+    source = twice_source
     seen = []
     with build_reports(seen.append):
         module = build_extension("kvchat_test", [source], "doubling", "nothing doubles")
@@ -174,14 +144,14 @@ def test_the_level_follows_the_cpu_flags(flags, machine, level):
 
 
 @pytest.mark.parametrize("value", ["avx3", "AVX-512"])
-def test_a_bad_level_is_one_clear_error(value):
-    with level_set_to(value), pytest.raises(CpuLevelError, match="names no CPU level"):
+def test_a_bad_level_is_one_clear_error(value, at_level):
+    with at_level(value), pytest.raises(CpuLevelError, match="names no CPU level"):
         cpu_level()
 
 
-def test_a_level_above_the_cpu_is_refused():
+def test_a_level_above_the_cpu_is_refused(at_level):
     above = [lv for lv in CpuLevel if lv.rank > machine_level().rank]
     if not above:
         pytest.skip("this CPU runs the highest level")
-    with level_set_to(above[0].value), pytest.raises(CpuLevelError, match="above what this"):
+    with at_level(above[0].value), pytest.raises(CpuLevelError, match="above what this"):
         cpu_level()

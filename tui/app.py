@@ -46,6 +46,7 @@ from .messages import (
     ConversationResumed,
     DocumentInfo,
     DocumentLoaded,
+    KernelBuild,
     ModelLoaded,
     Notice,
     Progress,
@@ -215,6 +216,10 @@ class KvchatApp(App[None]):
 
     def on_notice(self, message: Notice) -> None:
         self.notify(message.text, title=message.title, severity=message.severity)  # type: ignore[arg-type]
+
+    def on_kernel_build(self, message: KernelBuild) -> None:
+        self.state = "building kernels"
+        self.query_one("#progress", StepProgress).show_build(message.progress)
 
     def on_progress(self, message: Progress) -> None:
         self.state = message.phase

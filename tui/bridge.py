@@ -23,11 +23,13 @@ from kvchat.core.engine import Engine
 from kvchat.core.errors import USER_ERRORS
 from kvchat.core.history import SavedConversation
 from kvchat.core.snapshot import PrefillReport, format_size
+from kvchat.native import build_reports
 
 from .messages import (
     ConversationResumed,
     DocumentInfo,
     DocumentLoaded,
+    KernelBuild,
     ModelLoaded,
     Notice,
     Progress,
@@ -101,7 +103,8 @@ def run_step(kind: str, post: Post, cancel: threading.Event, body: Callable[[], 
 
 
 def load_model(settings: Settings, model_spec: str | None, post: Post) -> str:
-    engine = Engine.load(settings, model_spec)
+    with build_reports(lambda progress: post(KernelBuild(progress))):
+        engine = Engine.load(settings, model_spec)
     post(ModelLoaded(engine))
     return f"loaded {engine.source.name}"
 

@@ -24,6 +24,7 @@ from kvchat.core.snapshot import (
     format_size,
     snapshot_dir,
 )
+from kvchat.native import BuildProgress, build_reports
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -55,6 +56,22 @@ class ProgressLine:
         self.stream.flush()
 
 
+class BuildLine:
+    """A kernel build's progress on stderr: rewritten in place on a terminal; otherwise its
+    first report and its end."""
+
+    def __init__(self, stream: TextIO = sys.stderr) -> None:
+        self.stream, self.tty, self.started = stream, stream.isatty(), False
+
+    def __call__(self, progress: BuildProgress) -> None:
+        if self.tty:
+            self.stream.write("\r" + progress.line() + ("\n" if progress.done else ""))
+        elif progress.done or not self.started:
+            self.stream.write(f"kvchat: {progress.line()}\n")
+        self.started = not progress.done
+        self.stream.flush()
+
+
 def _load(args: argparse.Namespace):
     return load_settings(Path(args.config) if args.config else None, args.set or ())
 
@@ -78,6 +95,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     prompt = conversation.prompt_ids(tokenizer, question)
     engine.check_fits(len(prompt), settings.generation.max_new_tokens)
     if args.verbose:
+        print(f"kvchat: {engine.compute_summary()}", file=sys.stderr)
         print(f"{doc.name}: {doc.size_bytes} bytes, {len(ids)} tokens", file=sys.stderr)
     cancel = threading.Event()
     try:
@@ -189,6 +207,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from kvchat.core.plan import plan_table
 
     engine = Engine.load(_load(args).settings, args.model)
+    print(engine.compute_summary())
     sys.stdout.write(
         plan_table(
             engine.config,
@@ -222,6 +241,19 @@ def _parse_size(text: str) -> int:
     return sizes[0]
 
 
+def _parse_baselines(text: str) -> list:
+    from kvchat.core.baselines import BaselineName
+
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    known = ", ".join(b.value for b in BaselineName)
+    try:
+        return [BaselineName(name) for name in names]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"unknown baseline in {text!r}; choose from {known}"
+        ) from None
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -247,17 +279,23 @@ def _parse_depths(text: str) -> int | list[float]:
 def cmd_bench(args: argparse.Namespace) -> int:
     settings = _load(args).settings
     if args.what == "speed":
+        from kvchat.core.baselines import BaselineMissingError, BaselineName
         from kvchat.core.bench_speed import run_speed_bench
 
-        result = run_speed_bench(
-            settings,
-            args.contexts or _parse_contexts("1k,4k,8k"),
-            model_spec=args.model,
-            decode_tokens=args.decode_tokens,
-            with_transformers=not args.no_transformers,
-            compare_dense=args.compare_dense,
-            log=lambda msg: print(msg, file=sys.stderr),
-        )
+        skip = {BaselineName.TRANSFORMERS} if args.no_transformers else set()
+        try:
+            result = run_speed_bench(
+                settings,
+                args.contexts or _parse_contexts("1k,4k,8k"),
+                model_spec=args.model,
+                decode_tokens=args.decode_tokens,
+                baselines=[b for b in args.baseline if b not in skip],
+                compare_dense=args.compare_dense,
+                log=lambda msg: print(msg, file=sys.stderr),
+            )
+        except BaselineMissingError as e:
+            print(f"kvchat: error: {e}", file=sys.stderr)
+            return EXIT_USAGE
     elif args.what == "snapshot":
         from kvchat.core.bench_snapshot import run_snapshot_bench
 
@@ -403,6 +441,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--decode-tokens", type=_positive, default=32, help="tokens decoded per context"
     )
     bench.add_argument(
+        "--baseline",
+        type=_parse_baselines,
+        default=_parse_baselines("transformers"),
+        metavar="NAMES",
+        help="engines `speed` runs beside kvchat on the same weights and threads, comma "
+        "separated: transformers (the default), llama.cpp (needs llama-cpp-python: pip install "
+        "'kvchat[baseline]')",
+    )
+    bench.add_argument(
         "--no-transformers", action="store_true", help="skip the transformers baseline in `speed`"
     )
     bench.add_argument(
@@ -455,7 +502,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace], int] = getattr(args, "func", cmd_app)
     try:
-        return run(args)
+        if run is cmd_app:  # the app shows builds itself
+            return run(args)
+        with build_reports(BuildLine()):
+            return run(args)
     except USER_ERRORS as e:
         print(f"kvchat: error: {e}", file=sys.stderr)
         return EXIT_USAGE

@@ -12,12 +12,21 @@ from textual.message import Message
 
 from kvchat.core.engine import Engine
 from kvchat.core.history import SavedConversation
+from kvchat.native import BuildProgress
 
 
 class ModelLoaded(Message):
     def __init__(self, engine: Engine) -> None:
         super().__init__()
         self.engine = engine
+
+
+class KernelBuild(Message):
+    """The C++ kernels compiling for this CPU (a first start), while the model loads."""
+
+    def __init__(self, progress: BuildProgress) -> None:
+        super().__init__()
+        self.progress = progress
 
 
 class Progress(Message):

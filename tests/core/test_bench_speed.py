@@ -22,7 +22,7 @@ def test_speed_bench_reports_ratios_and_roofline():
         settings,
         [256, 400],
         decode_tokens=4,
-        with_transformers=False,
+        baselines=(),
         compare_dense=[400],
         log=lines.append,
     )

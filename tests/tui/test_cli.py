@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import random
 import subprocess
@@ -14,16 +15,17 @@ from kvchat.tui.cli import EXIT_USAGE, main
 
 
 def run_cli(
-    *argv: str, stdin: str | None = None, timeout: int = 600
+    *argv: str, stdin: str | None = None, timeout: int = 600, **env: str
 ) -> subprocess.CompletedProcess:
-    """The real entry point in a fresh process, as a user runs it."""
+    """The real entry point in a fresh process, as a user runs it (with `env` added to the
+    environment)."""
     return subprocess.run(
         [sys.executable, "-m", "kvchat.tui.cli", *argv],
         input=stdin,
         capture_output=True,
         text=True,
         timeout=timeout,
-        env=os.environ.copy(),
+        env=os.environ | env,
     )
 
 
@@ -152,6 +154,39 @@ def test_config_subcommands(tmp_path, capsys):
     assert main(["config", "validate", "--config", str(cfg)]) == EXIT_USAGE
     err = capsys.readouterr().err
     assert "long_context.chunk_size" in err and "-3" in err and str(cfg) in err
+
+
+def test_plan_says_how_it_computes(capsys):
+    from kvchat.native.cpu import cpu_level
+
+    assert main(["plan"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("compute: ")
+    assert f"{cpu_level().value} kernels" in first
+    assert "bfloat16 activations and KV" in first and "weights int4" in first
+
+
+def test_a_cpu_level_the_cpu_cannot_run_is_one_clear_error():
+    result = run_cli("plan", KVCHAT_CPU_LEVEL="avx3")
+    assert result.returncode == EXIT_USAGE
+    assert "KVCHAT_CPU_LEVEL='avx3' names no CPU level" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_a_kernel_build_is_shown_on_stderr(twice_source, monkeypatch):
+    from kvchat import native
+    from kvchat.tui.cli import BuildLine
+
+    monkeypatch.setattr(native, "REPORT_INTERVAL_S", 0.2)
+    stream = io.StringIO()
+    with native.build_reports(BuildLine(stream)):
+        assert native.build_extension("kvchat_test", [twice_source], "doubling", "none") is not None
+    lines = stream.getvalue().splitlines()
+    # Not a terminal: the first report and the end, each on its own line.
+    assert len(lines) == 2
+    assert lines[0].startswith("kvchat: building the C++ kernels for doubling (")
+    assert lines[1].startswith("kvchat: built the C++ kernels for doubling (")
+    assert "1/1 sources" in lines[1]
 
 
 def test_core_and_kv_do_not_import_textual():

@@ -7,6 +7,7 @@ from textual.containers import Horizontal
 from textual.widgets import Label, ProgressBar, Static
 
 from kvchat.core.engine import EngineStats
+from kvchat.native import BuildProgress
 
 
 class StatusLine(Static):
@@ -39,6 +40,12 @@ class StepProgress(Horizontal):
         self.query_one(Label).update(
             f"{phase} {done:,}/{total:,} {unit}  {rate:,.0f} {unit}/s  ETA {eta}  (Esc stops)"
         )
+
+    def show_build(self, progress: BuildProgress) -> None:
+        """A kernel build: sources compiled of all, and the line that says what and why."""
+        self.display = True
+        self.query_one(ProgressBar).update(total=progress.sources, progress=progress.compiled)
+        self.query_one(Label).update(progress.line())
 
     def hide(self) -> None:
         self.display = False
