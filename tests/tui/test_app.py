@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from textual.pilot import Pilot
-from textual.widgets import Input
+from textual.widgets import Input, Label
 
 from kvchat.config import Settings
 from kvchat.core.engine import Engine
@@ -51,6 +51,22 @@ async def test_app_loads_its_own_model_in_the_worker(settings: Settings) -> None
         app.refresh_stats()
         assert app.engine.stats().model in status_text(app)
         assert "context 0/" in status_text(app)
+
+
+async def test_a_kernel_build_shows_in_the_progress_bar(settings: Settings, engine: Engine) -> None:
+    from kvchat.native import BuildProgress
+    from kvchat.tui.messages import KernelBuild
+    from kvchat.tui.widgets.status import StepProgress
+
+    app = KvchatApp(settings, engine=engine)
+    async with app.run_test(size=(140, 45)) as pilot:
+        app.post_message(KernelBuild(BuildProgress("decode attention", "avx2", 2, 6, 31.0)))
+        progress = app.query_one("#progress", StepProgress)
+        await wait_for(pilot, lambda: progress.display)
+        label = str(progress.query_one(Label).render())
+        assert "building the C++ kernels for decode attention (avx2" in label
+        assert "2/6 sources, 31 s" in label
+        assert app.state == "building kernels"
 
 
 async def test_load_a_document_and_ask(settings: Settings, engine: Engine, tmp_path: Path) -> None:
