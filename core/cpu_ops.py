@@ -20,9 +20,9 @@ SOURCES = [
 ]
 
 
-@cache
-def load() -> ModuleType | None:
-    """The compiled ops' module, or None (with a warning logged) when it cannot be built."""
+def build() -> ModuleType | None:
+    """The ops' module built for the CPU level now in force, or None (with a warning logged)
+    when it cannot be built."""
     return build_extension(
         "kvchat_decoder_ops",
         SOURCES,
@@ -30,3 +30,7 @@ def load() -> ModuleType | None:
         "the weights run through torch's int4 kernel and the output layer in bf16 "
         "(a decode step ~2x slower)",
     )
+
+
+# The process's module: built (or loaded from the cache) once.
+load = cache(build)

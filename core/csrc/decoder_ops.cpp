@@ -198,8 +198,8 @@ void int8_tiles(const uint8_t* packed, const float* scale, const QuantRow& x, in
                       (256 * x.high[k] + x.low[k]);
           }
       for (int r = 0; r < 16; ++r)
-        acc[r] += scale[(tile * G + g) * 16 + r] * x.scale[g] *
-                  static_cast<float>(dot[r] - 128 * x.int_sums[g]);
+        acc[r] = std::fma(scale[(tile * G + g) * 16 + r] * x.scale[g],
+                          static_cast<float>(dot[r] - 128 * x.int_sums[g]), acc[r]);
     }
     std::copy(acc, acc + 16, out + 16 * tile);
   }

@@ -36,6 +36,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cmath>
 #include <utility>
 #include <vector>
 
@@ -230,7 +231,9 @@ void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out
           dot += (b & 15) * (256 * x.high[k] + x.low[k]) +
                  (b >> 4) * (256 * x.high[k + 4] + x.low[k + 4]);
         }
-      acc += s * x.scale[g] * static_cast<float>(dot) + mn * x.sums[g];
+      // The vector paths' arithmetic, in their order: the same sums give the same results.
+      acc = std::fma(s * x.scale[g], static_cast<float>(dot), acc);
+      acc = std::fma(mn, x.sums[g], acc);
     }
     out[row] = float_to_bf16(acc);
   }

@@ -11,6 +11,7 @@ from kvchat.core import cpu_ops
 from kvchat.core.linear import DenseLinear, Int8Linear, pack_int8
 from kvchat.core.model import rms_norm, silu_mul
 from kvchat.core.weights import Int8Groups
+from kvchat.native.cpu import cpu_level, machine_level
 
 OPS = cpu_ops.load()
 pytestmark = pytest.mark.skipif(OPS is None, reason="no C++ compiler: the torch code is used")
@@ -87,6 +88,20 @@ def test_int8_linear_is_the_exact_weights_product_within_its_inputs_rounding(dty
     # fp32 sums: relative error ~1e-6 of the row's magnitude.
     bound = _input_rounding(x, groups) + 1e-6 * want.abs().max()
     assert ((got.double() - want).abs() <= bound).all()
+
+
+def test_int8_products_equal_the_machine_levels_bit_for_bit(at_level):
+    """At a lowered CPU level (make test's second pass), the int8 products are the machine
+    level's bit for bit: the same integer sums, the same fp32 arithmetic after them."""
+    if cpu_level() is machine_level():
+        pytest.skip("runs at the machine's own level: nothing to compare")
+    with at_level(None):
+        native = cpu_ops.build()
+    assert native is not None
+    groups = _groups(1000, 576)
+    x = _bf16(3, 576, seed=8)
+    packed = pack_int8(groups)
+    assert torch.equal(OPS.int8_linear(x, *packed), native.int8_linear(x, *packed))
 
 
 def test_int8_head_takes_one_row_and_leaves_more_to_the_dense_matrix():

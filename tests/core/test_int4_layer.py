@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from kvchat.core import cpu_ops
 from kvchat.core.int4_layer import Int4DecodeLayer, pack_int4
-from kvchat.core.linear import PackedInt4Linear
+from kvchat.core.linear import PackedInt4Linear, widened_linear
 from kvchat.core.weights import Int4Groups
+from kvchat.native.cpu import cpu_level, machine_level, widened_products
 
 OPS = cpu_ops.load()
 pytestmark = pytest.mark.skipif(
@@ -61,6 +63,26 @@ def test_int4_linear_is_the_exact_weights_product_within_its_inputs_rounding(
     assert (error <= rounding + exact.abs() * 2**-8 + 1e-5 * exact.abs().max()).all()
 
 
+def test_int4_products_equal_the_machine_levels_bit_for_bit(at_level):
+    """At a lowered CPU level (make test's second pass), the int4 products and the fused
+    decode calls are the machine level's bit for bit: the same integer sums, the same fp32
+    arithmetic after them."""
+    if cpu_level() is machine_level():
+        pytest.skip("runs at the machine's own level: nothing to compare")
+    with at_level(None):
+        native = cpu_ops.build()
+    assert native is not None and native.int4_vectorized
+    pack = pack_int4(_groups(960, 576))
+    assert pack is not None
+    x = _bf16(3, 576, seed=9)
+    assert torch.equal(OPS.int4_linear(x, *pack.parts), native.int4_linear(x, *pack.parts))
+    layers = [_layer(576, 1536, 960, True, ops)[0] for ops in (OPS, native)]
+    token, attn = _bf16(1, 576, seed=10), _bf16(9, 1, 64, seed=11)
+    for ours, theirs in zip(layers[0].qkv(token), layers[1].qkv(token), strict=True):
+        assert torch.equal(ours, theirs)
+    assert torch.equal(layers[0].tail(token, attn), layers[1].tail(token, attn))
+
+
 def test_pack_int4_declines_what_the_layout_cannot_hold():
     assert pack_int4(_groups(40, 64)) is None  # rows not a multiple of 16
     groups = _groups(32, 64)
@@ -85,14 +107,14 @@ def test_the_calls_refuse_mismatched_weights():
         layer.tail(_bf16(1, 64), _bf16(2, 1, 16))
 
 
-def _layer(hidden: int, intermediate: int, heads_out: int, bias: bool) -> tuple:
+def _layer(hidden: int, intermediate: int, heads_out: int, bias: bool, ops=OPS) -> tuple:
     qkv, o = _groups(heads_out, hidden, 1), _groups(hidden, hidden, 2)
     gate_up, down = _groups(2 * intermediate, hidden, 3), _groups(hidden, intermediate, 4)
     attn_norm, mlp_norm = _bf16(hidden, seed=5), _bf16(hidden, seed=6)
     qkv_bias = _bf16(heads_out, seed=7) if bias else None
     packs = [pack_int4(g) for g in (qkv, o, gate_up, down)]
     heads = [heads_out // 64 - 6, 3, 3]  # head_dim 64, SmolLM2's 9 / 3 / 3 at 960
-    layer = Int4DecodeLayer(*packs, attn_norm, mlp_norm, 1e-5, qkv_bias, heads, OPS)
+    layer = Int4DecodeLayer(*packs, attn_norm, mlp_norm, 1e-5, qkv_bias, heads, ops)
     return layer, (qkv, o, gate_up, down, attn_norm, mlp_norm, qkv_bias)
 
 
@@ -133,7 +155,9 @@ def test_many_rows_go_through_the_unpacked_bf16_weight():
     linear = PackedInt4Linear(pack, bias, OPS)
     few, many = _bf16(2, 128, seed=3), _bf16(PackedInt4Linear.UNPACK_ROWS, 128, seed=4)
     assert torch.equal(linear(few), OPS.int4_linear(few, *pack.parts) + bias)
-    assert torch.equal(linear(many), torch.nn.functional.linear(many, unpacked, bias))
+    # The level's product for many rows: bf16 in hardware, or fp32 on the widened values.
+    product = widened_linear if widened_products(unpacked.device, unpacked.dtype) else F.linear
+    assert torch.equal(linear(many), product(many, unpacked, bias))
     assert torch.equal(linear(many.unsqueeze(0)), linear(many).unsqueeze(0))  # [B, T, K] too
 
 
