@@ -335,24 +335,6 @@ void scores_fma_group(const float* qs, const uint16_t* kb, int64_t stride, int64
   }
 }
 
-// Scores of tn bf16 key rows for the G queries, straight from the keys' memory: each 32-bit word
-// of a row holds two bf16 values, which a shift and a mask make fp32 (its even and its odd
-// element), multiplied by the queries' matching elements in fp32 FMAs. qs: the queries split
-// as the keys are, per 32-value chunk its 16 even then its 16 odd values.
-template <int D>
-void scores_fma(const float* qs, int G, const uint16_t* kb, int64_t stride, int64_t tn, float scale,
-                const Ahead& ahead, float* s) {
-  for (int g = 0; g < G; g += 3) {
-    const float* qg = qs + g * D;
-    float* sg = s + g * TILE;
-    switch (std::min(3, G - g)) {
-      case 3: scores_fma_group<D, 3>(qg, kb, stride, tn, scale, ahead, g == 0, sg); break;
-      case 2: scores_fma_group<D, 2>(qg, kb, stride, tn, scale, ahead, g == 0, sg); break;
-      default: scores_fma_group<D, 1>(qg, kb, stride, tn, scale, ahead, g == 0, sg); break;
-    }
-  }
-}
-
 // accumulate_fma for N queries; the first group (`first`) prefetches the next tile's rows.
 template <int D, int N>
 void accumulate_fma_group(const float* p, const uint16_t* vb, int64_t stride, int64_t tn,
@@ -520,22 +502,6 @@ void scores_fma_group(const float* qs, const uint16_t* kb, int64_t stride, int64
   }
 }
 
-// Scores of tn bf16 key rows for the G queries, as the AVX-512 path computes them. qs: the
-// queries split as the keys are, per 16-value chunk its 8 even then its 8 odd values.
-template <int D>
-void scores_fma(const float* qs, int G, const uint16_t* kb, int64_t stride, int64_t tn, float scale,
-                const Ahead& ahead, float* s) {
-  for (int g = 0; g < G; g += 3) {
-    const float* qg = qs + g * D;
-    float* sg = s + g * TILE;
-    switch (std::min(3, G - g)) {
-      case 3: scores_fma_group<D, 3>(qg, kb, stride, tn, scale, ahead, g == 0, sg); break;
-      case 2: scores_fma_group<D, 2>(qg, kb, stride, tn, scale, ahead, g == 0, sg); break;
-      default: scores_fma_group<D, 1>(qg, kb, stride, tn, scale, ahead, g == 0, sg); break;
-    }
-  }
-}
-
 // acc += sum over the tile's rows of p[t] * v[t] for one query, D / 8 accumulators held in
 // registers; the first query (`first`) prefetches the next tile's rows.
 template <int D>
@@ -575,6 +541,25 @@ void accumulate_fma(const float* p, int G, const uint16_t* vb, int64_t stride, i
 #endif
 
 #if KVCHAT_FMA
+// Scores of tn bf16 key rows for the G queries, straight from the keys' memory, up to 3
+// queries a pass (scores_fma_group): each 32-bit word of a row holds two bf16 values, which a
+// shift and a mask make fp32 (its even and its odd element), multiplied by the queries'
+// matching elements in fp32 FMAs. qs: the queries split as the keys are, per FMA_CHUNK values
+// the even ones, then the odd ones.
+template <int D>
+void scores_fma(const float* qs, int G, const uint16_t* kb, int64_t stride, int64_t tn, float scale,
+                const Ahead& ahead, float* s) {
+  for (int g = 0; g < G; g += 3) {
+    const float* qg = qs + g * D;
+    float* sg = s + g * TILE;
+    switch (std::min(3, G - g)) {
+      case 3: scores_fma_group<D, 3>(qg, kb, stride, tn, scale, ahead, g == 0, sg); break;
+      case 2: scores_fma_group<D, 2>(qg, kb, stride, tn, scale, ahead, g == 0, sg); break;
+      default: scores_fma_group<D, 1>(qg, kb, stride, tn, scale, ahead, g == 0, sg); break;
+    }
+  }
+}
+
 // Where accumulate_fma keeps output element d: per FMA_CHUNK-value chunk, the even elements in
 // the first vector and the odd ones in the second.
 inline int64_t fma_slot(int64_t d) {
