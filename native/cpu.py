@@ -112,8 +112,12 @@ def cpu_level() -> CpuLevel:
 def widened_products(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether products in `dtype` on `device` run in fp32 on the widened values: bf16 on a CPU
     without bf16 products in hardware, where torch emulates them (its oneDNN path refuses and
-    its fallback runs at a fraction of fp32's speed). The products are exact either way."""
-    return device.type == "cpu" and dtype == torch.bfloat16 and not cpu_level().bf16_products
+    its fallback runs at a fraction of fp32's speed). The products are exact either way.
+    torch's own check (the CPU's cpuid) must agree too: an emulator may pass the host's
+    /proc/cpuinfo through while offering fewer instructions."""
+    if device.type != "cpu" or dtype != torch.bfloat16:
+        return False
+    return not (cpu_level().bf16_products and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def march(level: CpuLevel) -> str:
