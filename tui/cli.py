@@ -443,7 +443,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "--baseline",
         type=_parse_baselines,
-        default=_parse_baselines("transformers"),
+        default="transformers",
         metavar="NAMES",
         help="engines `speed` runs beside kvchat on the same weights and threads, comma "
         "separated: transformers (the default), llama.cpp (needs llama-cpp-python: pip install "

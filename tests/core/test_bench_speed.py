@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvchat.config import load_settings
 from kvchat.core.bench_speed import WARMUP_TOKENS, memory_copy_rate, run_speed_bench
 from kvchat.native.cpu import cpu_name
@@ -60,3 +62,19 @@ def test_speed_bench_reports_ratios_and_roofline():
 def test_memory_copy_rate_is_a_plausible_bandwidth():
     rate = memory_copy_rate(64 * 1024**2, repeats=3)
     assert 1e8 < rate < 1e13
+
+
+def test_llama_cpp_runs_beside_kvchat_on_the_same_gguf():
+    """Where the optional extra is installed: llama.cpp's rates and kvchat's ratios to them."""
+    pytest.importorskip("llama_cpp")
+    from kvchat.core.baselines import BaselineName
+
+    settings = load_settings(overrides=SMALL).settings
+    result = run_speed_bench(
+        settings, [256], decode_tokens=4, baselines=[BaselineName.LLAMA_CPP], log=lambda _: None
+    )
+    assert result["baselines"] == ["llama.cpp"]
+    row = result["results"][0]
+    assert row["llama.cpp"]["prefill_tok_s"] > 0 and row["llama.cpp"]["decode_tok_s"] > 0
+    ratios = row["llama.cpp_ratio"]
+    assert ratios["decode"] == row["kvchat"]["decode_tok_s"] / row["llama.cpp"]["decode_tok_s"]

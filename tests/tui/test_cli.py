@@ -134,6 +134,25 @@ def test_bench_refuses_zero_decode_tokens(capsys):
     assert "--decode-tokens" in capsys.readouterr().err
 
 
+def test_an_unknown_baseline_is_refused(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench", "speed", "--baseline", "llama.cpp,vllm"])
+    assert exit_info.value.code == EXIT_USAGE
+    assert "unknown baseline" in capsys.readouterr().err
+
+
+def test_the_llama_cpp_baseline_says_how_to_install_it():
+    # llama-cpp-python made unimportable, as where the optional extra is not installed.
+    code = (
+        "import sys; sys.modules['llama_cpp'] = None; from kvchat.tui.cli import main; "
+        "sys.exit(main(['bench', 'speed', '--contexts', '256', '--baseline', 'llama.cpp']))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == EXIT_USAGE, result.stderr
+    assert "pip install 'kvchat[baseline]'" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_unknown_model_file_is_a_clear_error(tmp_path, capsys):
     doc = _write(tmp_path / "doc.txt", b"Some text.\n")
     bogus = _write(tmp_path / "model.gguf", b"not a gguf at all" * 100)
