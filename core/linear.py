@@ -113,11 +113,12 @@ class Int4Linear:
 
 class PackedInt4Linear:
     """y = x @ W.T for the same int4 weights in core/csrc/int4_layer.cpp's layout (`ops`, where
-    it has its AVX512-BF16 and VNNI path): rows up to a few dozen through its int4 product (16
-    output rows per vector; a decode step's four products a layer also run fused, see
-    core/int4_layer.py), more rows (prefill chunks) through a bf16 matrix product with the
-    weight unpacked for the call: torch's int4 kernel took ~6x longer for a 2048-row chunk
-    here (SmolLM2's gate_up: 105 ms; unpacking 1.5 ms, the bf16 product 15 ms). The unpacked
+    it has a vector path: AVX-512 VNNI or AVX2): rows up to a few dozen through its int4
+    product (a decode step's four products a layer also run fused, see core/int4_layer.py),
+    more rows (prefill chunks) through a matrix product (bf16, or fp32 on the widened values:
+    kvchat.native.cpu) with the weight unpacked for the call: torch's int4 kernel takes ~6x
+    longer for a 2048-row chunk (SmolLM2's gate_up on the Xeon: 105 ms; unpacking 1.5 ms, the
+    bf16 product 15 ms). The unpacked
     weight is q * scale + minimum rounded to bf16; the int4 product rounds each input row to
     16-bit integers per group of 32 (within 1/65024 of the group's largest value), multiplies
     exactly and sums in int32, then in fp32."""
