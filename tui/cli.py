@@ -16,6 +16,7 @@ from kvchat.config import load_settings, settings_to_yaml
 from kvchat.core.cancel import Cancelled
 from kvchat.core.documents import DocumentError, read_document
 from kvchat.core.errors import USER_ERRORS
+from kvchat.core.niah import Task, ValueKind
 from kvchat.core.snapshot import (
     PrefillReport,
     SnapshotError,
@@ -268,12 +269,25 @@ def _parse_depths(text: str) -> int | list[float]:
     """A count of evenly spaced depths ("5") or the depths themselves ("0.25,0.5,0.75")."""
     if "," not in text and "." not in text:
         return _positive(text)
-    from kvchat.core.bench_passkey import depth_grid
+    from kvchat.core.bench_grid import depth_grid
 
     try:
         return depth_grid([float(part) for part in text.split(",")])
     except ValueError as e:
         raise argparse.ArgumentTypeError(f"bad depths {text!r}: {e}") from None
+
+
+def _prefill_lines() -> Callable[[int, int], None]:
+    """Progress of a benchmark's prefills: a fresh line (and clock) for each."""
+    line: list[ProgressLine] = []
+
+    def progress(done: int, total: int) -> None:
+        if done == 0 or not line:
+            line[:] = [ProgressLine("prefill", sys.stderr)]
+        if done:
+            line[0](done, total)
+
+    return progress
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -308,22 +322,31 @@ def cmd_bench(args: argparse.Namespace) -> int:
     elif args.what == "passkey":
         from kvchat.core.bench_passkey import run_passkey_bench
 
-        line: list[ProgressLine] = []
-
-        def progress(done: int, total: int) -> None:  # a fresh line (and clock) per prefill
-            if done == 0 or not line:
-                line[:] = [ProgressLine("prefill", sys.stderr)]
-            if done:
-                line[0](done, total)
-
         result = run_passkey_bench(
             settings,
             args.lengths,
-            args.depths,
-            trials=args.trials,
+            5 if args.depths is None else args.depths,
+            trials=args.trials or 1,
             model_spec=args.model,
             compare_dense=args.compare_dense,
-            on_progress=progress,
+            on_progress=_prefill_lines(),
+            seed=args.seed,
+        )
+    elif args.what == "niah":
+        from kvchat.core.bench_niah import DEFAULT_DEPTHS, run_niah_bench
+        from kvchat.core.niah import TaskSpec
+        from kvchat.core.prose import load_prose
+
+        result = run_niah_bench(
+            settings,
+            TaskSpec(args.task, args.needle),
+            args.lengths,
+            DEFAULT_DEPTHS if args.depths is None else args.depths,
+            trials=args.trials or 2,
+            model_spec=args.model,
+            compare_dense=args.compare_dense,
+            prose=load_prose(args.haystack),
+            on_progress=_prefill_lines(),
             seed=args.seed,
         )
     elif args.what == "gpu":
@@ -430,7 +453,7 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan)
 
     bench = sub.add_parser("bench", parents=[common], help="benchmarks that print numbers and JSON")
-    bench.add_argument("what", choices=["speed", "tokenize", "passkey", "gpu", "snapshot"])
+    bench.add_argument("what", choices=["speed", "tokenize", "passkey", "niah", "gpu", "snapshot"])
     bench.add_argument(
         "--contexts",
         type=_parse_contexts,
@@ -462,17 +485,46 @@ def build_parser() -> argparse.ArgumentParser:
         "--lengths",
         type=_parse_contexts,
         default=_parse_contexts("4k,8k,16k,32k,64k,128k"),
-        help="document lengths for `passkey`, e.g. 4k,8k,32k",
+        help="document lengths for `passkey` and `niah`, e.g. 4k,8k,32k",
     )
     bench.add_argument(
         "--depths",
         type=_parse_depths,
-        default=5,
-        help="key depths for `passkey`: a count, evenly spaced from 0 to 1 (5), or the "
-        "depths themselves (0.25,0.5,0.75)",
+        default=None,
+        help="needle depths for `passkey` and `niah`: a count, evenly spaced from 0 to 1, or "
+        "the depths themselves (passkey: 5; niah: 0.1,0.3,0.5,0.7,0.9)",
     )
-    bench.add_argument("--trials", type=_positive, default=1, help="keys per cell for `passkey`")
-    bench.add_argument("--seed", type=int, default=0, help="seed of the keys for `passkey`")
+    bench.add_argument(
+        "--trials",
+        type=_positive,
+        default=None,
+        help="documents per (length, depth) cell (passkey: 1; niah: 2)",
+    )
+    bench.add_argument(
+        "--seed", type=int, default=0, help="seed of the keys, needles and haystacks"
+    )
+    bench.add_argument(
+        "--task",
+        type=Task,
+        choices=list(Task),
+        default=Task.SINGLE,
+        help="`niah`: RULER's task: one needle (single), among 3 needles of other keys "
+        "(multikey), 4 values of one key (multivalue), 4 keys in one question (multiquery)",
+    )
+    bench.add_argument(
+        "--needle",
+        type=ValueKind,
+        choices=list(ValueKind),
+        default=ValueKind.NUMBER,
+        help="`niah`: the needles' values: 7-digit numbers or UUIDs",
+    )
+    bench.add_argument(
+        "--haystack",
+        metavar="SOURCE",
+        default="news",
+        help="`niah`: the prose to hide needles in: news (news articles, the default), "
+        "python-docs (the Python reference's prose) or the path of a UTF-8 text file",
+    )
     bench.add_argument(
         "--compare-dense",
         type=_parse_contexts,

@@ -7,7 +7,8 @@ import json
 import pytest
 
 from kvchat.config import load_settings
-from kvchat.core.bench_passkey import cell_passkey, depth_grid, run_passkey_bench
+from kvchat.core.bench_grid import depth_grid
+from kvchat.core.bench_passkey import cell_passkey, run_passkey_bench
 from kvchat.core.engine import Engine
 from kvchat.core.plan import PlanRefusedError
 from kvchat.tui.cli import _parse_depths, main

@@ -1,0 +1,66 @@
+"""`kvchat bench niah` with the real SmolLM2 model: the sparse cache beside dense attention."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvchat.config import load_settings
+from kvchat.core.bench_niah import run_niah_bench
+from kvchat.core.niah import Task, TaskSpec
+from kvchat.tui.cli import main
+
+
+def test_sparse_and_dense_cells() -> None:
+    # Every candidate block fits the budget, so each selecting layer must hold the needle.
+    settings = load_settings(overrides=["long_context.second_select_num=64"]).settings
+    lines: list[str] = []
+    progress: list[tuple[int, int]] = []
+    result = run_niah_bench(
+        settings,
+        TaskSpec(Task.MULTIKEY),
+        [4096],
+        [0.25],
+        trials=1,
+        compare_dense=[2048],
+        log=lines.append,
+        on_progress=lambda done, total: progress.append((done, total)),
+    )
+    assert json.loads(json.dumps(result)) == result  # JSON-ready as is
+    assert result["benchmark"] == "niah"
+    assert result["task"]["task"] == "multikey" and result["task"]["kind"] == "number"
+    assert result["haystack"]["name"] == "news" and len(result["haystack"]["sha256"]) == 64
+    (cell,) = result["cells"]
+    assert cell["attention"] == "sparse"
+    assert 3800 <= cell["document_tokens"] <= 4096 * 1.005
+    assert cell["ok"] == all(value in cell["answer"] for value in cell["expected"])
+    assert cell["score"] == float(cell["ok"])  # one value asked
+    (needle,) = cell["needle_blocks"]
+    assert 0 < needle < 4096 // 128
+    for key in ("question", "first_token", "answer"):
+        assert cell[f"needle_recall_{key}"] == 1.0
+    (dense,) = result["compare_dense"]["cells"]
+    assert dense["attention"] == "dense" and dense["needle_blocks"] is None
+    assert dense["needle_recall_question"] is None
+    assert sum(line.startswith(("main ", "dense ")) for line in lines) == 2
+    assert any(line.startswith(" overall") for line in lines)
+    # two prefills a cell (the document, then the question), each announced with (0, n)
+    assert [done for done, _ in progress].count(0) == 4
+
+
+def test_cli_refuses_a_bad_haystack(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["bench", "niah", "--lengths", "1k", "--haystack", str(tmp_path / "none.txt")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert err[-1] == f"kvchat: error: {tmp_path / 'none.txt'}: no such file"
+
+
+def test_cli_options() -> None:
+    from kvchat.tui.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "niah", "--task", "multivalue", "--needle", "uuid"])
+    assert args.task is Task.MULTIVALUE and args.needle.value == "uuid"
+    assert args.haystack == "news" and args.depths is None and args.trials is None
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "niah", "--task", "haystack"])
