@@ -231,6 +231,15 @@ def _percent(row: dict | None) -> str:
     return f"{row['correct']}/{row['total']} {100 * row['accuracy']:3.0f}%"
 
 
+def log_summary(log: Log, title: str, main: dict, dense: dict | None) -> None:
+    """The closing table: `title`, then accuracy per length, the dense run beside the main
+    one."""
+    log("")
+    log(title)
+    for line in summary(main, dense):
+        log(line)
+
+
 def summary(main: dict, dense: dict | None) -> list[str]:
     """Accuracy per length, the dense run beside the main one."""
     by_length = {r["length"]: r for r in main["per_length"]}

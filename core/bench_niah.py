@@ -23,10 +23,10 @@ from .bench_grid import (
     engine_facts,
     fitting_settings,
     greedy,
+    log_summary,
     needle_blocks,
     needle_recall,
     run_beside_dense,
-    summary,
     timings,
 )
 from .engine import Engine, ProgressFn
@@ -69,12 +69,12 @@ class _Cells:
             if self.on_progress is not None:
                 self.on_progress(0, len(ids) - len(session.tokens))  # a new prefill
             session.sync(ids, self.on_progress)
-        recalls = [needle_recall(engine.stats().cache, blocks)]  # the question's pass
+        recalls = [needle_recall(session.cache_stats(), blocks)]  # the question's pass
         eos = set(tokenizer.eos_ids)
         reply: list[int] = []
         for token in session.generate(params):
             if reply:  # the selections of the step that decoded the previous token
-                recalls.append(needle_recall(engine.stats().cache, blocks))
+                recalls.append(needle_recall(session.cache_stats(), blocks))
             if token in eos:
                 break
             reply.append(token)
@@ -173,15 +173,15 @@ def run_niah_bench(
         engine, lengths, compare_dense, grid, trials, cells, _cell_line, log
     )
     seconds = time.perf_counter() - started
-    log("")
-    log(
+    log_summary(
+        log,
         f"niah {spec.task.value} accuracy (attention={main['cache']['attention']}, "
         f"anchor_type={main['cache']['anchor_type']}, "
         f"second_select_num={main['cache']['second_select_num']}, "
-        f"kv_type={main['cache']['kv_type']}, position_mode={main['cache']['position_mode']})"
+        f"kv_type={main['cache']['kv_type']}, position_mode={main['cache']['position_mode']})",
+        main,
+        dense,
     )
-    for line in summary(main, dense):
-        log(line)
     return {
         "benchmark": "niah",
         "task": {**asdict(spec), "task": spec.task.value, "kind": spec.kind.value},

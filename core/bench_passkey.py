@@ -23,10 +23,10 @@ from .bench_grid import (
     engine_facts,
     fitting_settings,
     greedy,
+    log_summary,
     needle_blocks,
     needle_recall,
     run_beside_dense,
-    summary,
     timings,
 )
 from .engine import Engine, ProgressFn
@@ -141,13 +141,13 @@ def run_passkey_bench(
         engine, lengths, compare_dense, grid, trials, cell, _cell_line, log
     )
     seconds = time.perf_counter() - started
-    log("")
-    log(
+    log_summary(
+        log,
         f"passkey accuracy (attention={main['cache']['attention']}, "
-        f"kv_type={main['cache']['kv_type']}, position_mode={main['cache']['position_mode']})"
+        f"kv_type={main['cache']['kv_type']}, position_mode={main['cache']['position_mode']})",
+        main,
+        dense,
     )
-    for line in summary(main, dense):
-        log(line)
     return {
         "benchmark": "passkey",
         **engine_facts(engine),
