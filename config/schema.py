@@ -176,6 +176,16 @@ class LongContextSettings:
         min=0,
         max=1_000_000,
     )
+    pinned_blocks: int = setting(
+        4,
+        "Blocks the end of each prompt (the question) attends to most, found once by exact "
+        "attention over every stored key: each, with the block after it, leads every "
+        "layer's second_select_num while the answer is written (this finds the passage a "
+        "question names in natural text, where anchors alone miss it); the pinned blocks and "
+        "those after them take at most half of second_select_num; 0 = off.",
+        min=0,
+        max=1_000_000,
+    )
     threads_num: int = setting(
         0,
         "CPU threads for the block store and for attention over blocks on the host; "

@@ -85,13 +85,14 @@ def select_blocks(
     k: int,
     anchor_type: str,
     mode: str,
+    pinned: torch.Tensor,
 ) -> torch.Tensor:
     """The top-min(k, n) blocks among first..last-1 for `query` (fp32 [n_heads, D]), as
-    kv.selection.score_blocks + select_top rank them: ids ascending, [k] for SHARED or
-    [n_kv, k] for SEPARATE. anchors: the layer's fp32 or bf16 [n_blocks, n_kv, R, D]. Equal
-    scores go to the lower id."""
+    kv.selection.score_blocks + select_top rank them, the `pinned` ids (int64) first: ids
+    ascending, [k] for SHARED or [n_kv, k] for SEPARATE. anchors: the layer's fp32 or bf16
+    [n_blocks, n_kv, R, D]. Equal scores go to the lower id."""
     return _module().select_blocks(
-        query, anchors, first, last, k, anchor_type == "QUEST", mode == "SHARED"
+        query, anchors, first, last, k, anchor_type == "QUEST", mode == "SHARED", pinned
     )
 
 
@@ -117,11 +118,12 @@ def decode_layer(
     the store keeps rotated keys), the sink blocks, the pools' storage (slot h * max_blocks + b
     starts at slot * slot_unit: elements for FP16, bytes otherwise) and the anchors.
 
-    Its decode(q, k, v, cos, sin, far_cos, far_sin, col, ws, sinks, known, first, last, budget)
-    rotates q and k (far_cos empty: q_far is the rotated q), writes the key and value to window
-    column col, reads the blocks `known` ([k] or [n_kv, k]; None with budget 0: none) or else
-    the top `budget` of candidates first..last-1, counts the blocks it reads as `layer`'s in
-    the BlockLru `lru` (None: not counted), and returns (out [n_heads, 1, D], blocks).
+    Its decode(q, k, v, cos, sin, far_cos, far_sin, col, ws, sinks, known, first, last, budget,
+    pinned) rotates q and k (far_cos empty: q_far is the rotated q), writes the key and value
+    to window column col, reads the blocks `known` ([k] or [n_kv, k]; None with budget 0:
+    none) or else the top `budget` of candidates first..last-1, the `pinned` ids first,
+    counts the blocks it reads as `layer`'s in the BlockLru `lru` (None: not counted), and
+    returns (out [n_heads, 1, D], blocks).
     """
     return _module().DecodeLayer(
         win_k,

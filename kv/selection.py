@@ -57,6 +57,14 @@ def select_top(scores: torch.Tensor, k: int) -> torch.Tensor:
     return top.sort(dim=-1).values
 
 
+def pin(scores: torch.Tensor, candidates: torch.Tensor, pinned: torch.Tensor) -> torch.Tensor:
+    """Scores [..., n] of the blocks `candidates` [n] with the `pinned` ids' set to +inf, so
+    select_top takes them first (in place; returns scores)."""
+    if len(pinned):
+        scores[..., torch.isin(candidates, pinned).to(scores.device)] = float("inf")
+    return scores
+
+
 def preselect_vote(
     q_last: torch.Tensor, anchors: torch.Tensor, anchor_type: str, count: int
 ) -> torch.Tensor:

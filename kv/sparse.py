@@ -4,7 +4,8 @@ Per layer, each query reads three key sets:
 - sinks: the first block, in full precision (attention sinks; always read);
 - the local window: every token from `window_start` on, in full precision, causal;
 - retrieved blocks: the `second_select_num` stored blocks whose anchors score highest for
-  the query (every stored block in the first `dense_layer_num` layers).
+  the query (every stored block in the first `dense_layer_num` layers), led while an answer
+  decodes by the `pinned_blocks` the prompt's last queries voted for (kv/pinning.py).
 `window_start` is the block boundary at or before `length - local_windows_len`, so the
 three sets never overlap and, with a budget that covers every block, their union is the
 whole context: the output then equals dense attention.
@@ -39,24 +40,24 @@ import torch
 
 from kvchat.config import LongContextSettings
 
-from . import cpu_kernel
+from . import cpu_kernel, pinning
 from .anchors import anchor_dtype, anchor_rows, block_anchors
 from .attention import chunk_attention, decode_attention
 from .backend import AttentionBackend, CacheStats, LayerStats, check_capacity
 from .cuda_tier import DeviceBlockTier
 from .device_cache import DeviceBlockCache
 from .kernels import TORCH_OPS, attention_ops, cpu_kernels, rotation
-from .positions import RopeTables
+from .positions import RopeTables, rotate
 from .quant import BlockPool
-from .selection import preselect_vote, score_blocks, select_top
+from .selection import pin, preselect_vote, score_blocks, select_top
 from .state import CacheState, StateMismatchError
 
 POSITION_MODES = ("native", "extrapolate")
 # long_context keys read afresh at every selection, so a built cache can take new values.
-RETUNABLE = ("second_select_num", "token_step", "layer_step")
+RETUNABLE = ("second_select_num", "pinned_blocks", "token_step", "layer_step")
 _SINK_BLOCKS = 1
 _RECEIVED_QUERIES = 64  # prefill queries whose attention feeds DYNAMIC anchors
-_PRESELECT_QUERIES = 32  # last prompt queries that vote in preselection
+_PROMPT_QUERIES = 32  # last prompt queries that vote in preselection and pinning
 
 
 def window_capacity(lc: LongContextSettings) -> int:
@@ -217,6 +218,8 @@ class SparseBackend(AttentionBackend):
         self._win_base = 0  # absolute position of window buffer column 0
         self._window_start = 0
         self._needs_preselect = False
+        self._pinned = torch.empty(0, dtype=torch.long)  # blocks the last prompt voted for
+        self._votes: torch.Tensor | None = None  # the votes of this pass's layers so far
         self._cos = self._sin = self._far_cos = self._far_sin = torch.empty(0)
         self._last_selection: list[torch.Tensor | None] = [None] * n_layers
         # Extrapolation keeps local distances (window + partial block + pass) in the trained
@@ -288,7 +291,9 @@ class SparseBackend(AttentionBackend):
         self._window_start = start
         if end - self._win_base > self.win_cap:
             self._shift_window(start)
-        if n_new == 1 and self._needs_preselect:
+        if n_new > 1:
+            self._start_vote(n_new)
+        elif self._needs_preselect:
             self._preselect()
         self._n_new = n_new
         if n_new == 1 and self._cpu_kernels:
@@ -326,6 +331,8 @@ class SparseBackend(AttentionBackend):
         q_far = (
             qa if self.position_mode == "native" else self._rotate(q, self._far_cos, self._far_sin)
         )
+        if self._votes is not None and layer >= self.lc.dense_layer_num:
+            self._vote(st, q)
         ws = self._window_start - self._win_base
         sinks = self._has_sinks(self._window_start)
         if n == 1 and self._cpu_kernels:
@@ -350,7 +357,7 @@ class SparseBackend(AttentionBackend):
         if st.received is not None:
             self._record_received(st, qa, ws, o + n)
         if self.lc.preselect_block:
-            st.q_last = q_far[:, -_PRESELECT_QUERIES:].float().clone()
+            st.q_last = q_far[:, -_PROMPT_QUERIES:].float().clone()
         return out
 
     def _decode_layer(
@@ -376,6 +383,7 @@ class SparseBackend(AttentionBackend):
             _SINK_BLOCKS,
             self._n_anchored,
             0 if known else self.lc.second_select_num,
+            self._pinned,
         )
         if not known:
             blocks = self._remember(st, ranked, decoding=True)
@@ -430,12 +438,13 @@ class SparseBackend(AttentionBackend):
         if st.received is not None:
             self._record_received(st, qa, ws, end)
         if self.lc.preselect_block:
-            st.q_last = q_far[:, -_PRESELECT_QUERIES:].float().clone()
+            st.q_last = q_far[:, -_PROMPT_QUERIES:].float().clone()
         return out
 
     def commit(self) -> None:
         self._length += self._n_new
         self._n_stored = self._length // self.block
+        self._votes = None
         if self._n_new > 1 and self.lc.preselect_block:
             self._needs_preselect = True
         self._n_new = 0
@@ -571,6 +580,7 @@ class SparseBackend(AttentionBackend):
                 lc.second_select_num,
                 lc.anchor_type,
                 lc.head_select_mode,
+                self._pinned,
             )
         candidates = self._candidates(st)
         if self.tier is None:
@@ -592,6 +602,7 @@ class SparseBackend(AttentionBackend):
             scores = self.ops.score_blocks(
                 query, st.anchors, lc.anchor_type, lc.head_select_mode, ids
             )
+        pin(scores, candidates, self._pinned)
         return candidates[select_top(scores, lc.second_select_num).cpu()]
 
     def _decode_in_place(
@@ -686,6 +697,52 @@ class SparseBackend(AttentionBackend):
             v[:, : self.block] = st.sink_v
         return k, v
 
+    def _start_vote(self, n_new: int) -> None:
+        """A prompt pass begins: pins of the last answer go. A pass shorter than a full chunk
+        ends a prompt (a question, or a document's last chunk), so its layers vote."""
+        self._pinned = torch.empty(0, dtype=torch.long)
+        candidates = self._n_anchored - _SINK_BLOCKS
+        voting = self._pin_count() > 0 and n_new < self.max_chunk and candidates > 0
+        self._votes = torch.zeros(candidates) if voting else None
+
+    def _vote(self, st: _LayerState, q: torch.Tensor) -> None:
+        """kv/pinning.py's vote of this layer's last queries of the pass (q: unrotated),
+        added to the votes of the layers before it; the blocks with the most votes so far
+        lead this layer's selection, and those of all layers every selection of the answer.
+
+        Every key is scored at one distance, that of extrapolated positions: with native
+        distances the heads that favour recent tokens would vote for the blocks nearest the
+        window, whatever the question asks."""
+        assert self._votes is not None
+        first, last = _SINK_BLOCKS, self._n_anchored
+        cos, sin = self.rope.cos_sin(self.window, 1, torch.float32)
+        queries = rotate(q[:, -_PROMPT_QUERIES:].float().cpu(), cos, sin)
+        self._votes += pinning.layer_shares(queries, self._key_reader(st), first, last)
+        self._pinned = pinning.pick(self._votes, first, self._pin_count(), last)
+
+    def _pin_count(self) -> int:
+        """Blocks to pin: each brings the block after it, and together they take at most the
+        budget's half, so the query of each step still chooses the rest."""
+        return min(self.lc.pinned_blocks, self.lc.second_select_num // 4)
+
+    def _key_reader(self, st: _LayerState) -> pinning.KeyReader:
+        """Unrotated keys of blocks lo..hi-1, [n_kv, (hi - lo) * block, D]: read in place
+        where the store is FP16, else dequantized into the gather buffer; native positions
+        are rotated back."""
+
+        def read(lo: int, hi: int) -> torch.Tensor:
+            keys = st.k_pool.span(self.n_kv, lo, hi)
+            if keys is None:
+                slots = (self._head_base + torch.arange(lo, hi)).reshape(-1)
+                keys = st.k_pool.gather(slots, self._gather_buffer(len(slots))[0])
+                keys = keys.view(self.n_kv, -1, self.head_dim)
+            if self.position_mode == "extrapolate":
+                return keys
+            cos, sin = self.rope.cos_sin(lo * self.block, (hi - lo) * self.block, torch.float32)
+            return rotate(keys.float(), cos, -sin)
+
+        return read
+
     def _preselect(self) -> None:
         """SnapKV-style: the last prompt queries vote once for the blocks worth keeping."""
         self._needs_preselect = False
@@ -726,6 +783,7 @@ class SparseBackend(AttentionBackend):
         self._n_anchored = min(self._n_anchored, start // self.block)
         self._first_generated = min(self._first_generated, self._n_anchored)
         self._needs_preselect = False
+        self._pinned, self._votes = torch.empty(0, dtype=torch.long), None
         for st in self._layers:
             st.selection, st.preselected, st.q_last = None, None, None
         self.device_cache.invalidate()
@@ -872,6 +930,7 @@ class SparseBackend(AttentionBackend):
         self._length, self._win_base, self._n_anchored = length, base, anchored
         self._n_stored, self._window_start = length // self.block, window_start
         self._first_generated, self._needs_preselect = 0, False
+        self._pinned, self._votes = torch.empty(0, dtype=torch.long), None
         for st in self._layers:
             st.selection, st.preselected, st.q_last = None, None, None
         self._last_selection = [None] * self.n_layers

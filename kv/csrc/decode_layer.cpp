@@ -76,7 +76,8 @@ DecodeLayer::DecodeLayer(torch::Tensor win_k, torch::Tensor win_v, torch::Tensor
 std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::decode(
     torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
     torch::Tensor far_cos, torch::Tensor far_sin, int64_t col, int64_t ws, bool sinks,
-    std::optional<torch::Tensor> known, int64_t first, int64_t last, int64_t budget) {
+    std::optional<torch::Tensor> known, int64_t first, int64_t last, int64_t budget,
+    torch::Tensor pinned) {
   const int64_t n_kv = win_k_.size(0), cap = win_k_.size(1), D = win_k_.size(2);
   const int64_t n_heads = q.size(0), G = n_heads / n_kv;
   TORCH_CHECK(n_heads % n_kv == 0, "n_heads must be a multiple of n_kv");
@@ -133,9 +134,12 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::decode(
                           torch::kLong);
     qsel_.resize(n_heads * D);
     for (int64_t i = 0; i < n_heads * D; ++i) qsel_[i] = kvchat::bf16_to_float(qf[i]);
+    TORCH_CHECK(pinned.scalar_type() == at::kLong && pinned.dim() == 1 && pinned.is_contiguous(),
+                "pinned: contiguous int64 [P]");
     kvchat::rank_blocks(qsel_.data(), n_heads, anchors_.data_ptr(),
                         anchors_.scalar_type() == at::kBFloat16, n_kv, anchors_.size(2), D,
-                        first, last, n, quest_, shared_, blocks.data_ptr<int64_t>());
+                        first, last, n, quest_, shared_, pinned.data_ptr<int64_t>(),
+                        pinned.numel(), blocks.data_ptr<int64_t>());
   } else {
     blocks = torch::empty({0}, torch::kLong);
   }

@@ -46,11 +46,11 @@ void attend_sets(const float* q, int64_t n_kv, int64_t G, int64_t D, bool bf16, 
                  float scale, float* out);
 
 // select_blocks on raw buffers: q fp32 [n_heads, D], anchors [n_blocks, n_kv, R, D] (bf16 when
-// `bf16`, else fp32); writes k (<= last - first) ids ascending per ranking ([k] shared,
-// [n_kv, k] otherwise) to out.
+// `bf16`, else fp32); the n_pinned block ids at `pinned` outrank every other candidate; writes
+// k (<= last - first) ids ascending per ranking ([k] shared, [n_kv, k] otherwise) to out.
 void rank_blocks(const float* q, int64_t n_heads, const void* anchors, bool bf16, int64_t n_kv,
-                    int64_t R, int64_t D, int64_t first, int64_t last, int64_t k, bool quest,
-                    bool shared, int64_t* out);
+                 int64_t R, int64_t D, int64_t first, int64_t last, int64_t k, bool quest,
+                 bool shared, const int64_t* pinned, int64_t n_pinned, int64_t* out);
 
 // rotate for one position: rows of D bf16 values x -> out (rotated with cos, sin: D each).
 void rotate_rows(const uint16_t* x, int64_t rows, int64_t x_stride, int64_t D,
@@ -65,7 +65,7 @@ torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
                                std::vector<int64_t> formats, int64_t n_kv, double scale);
 
 torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t first, int64_t last,
-                            int64_t k, bool quest, bool shared);
+                            int64_t k, bool quest, bool shared, torch::Tensor pinned);
 
 torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 
@@ -109,7 +109,8 @@ class DecodeLayer {
                                                   torch::Tensor far_cos, torch::Tensor far_sin,
                                                   int64_t col, int64_t ws, bool sinks,
                                                   std::optional<torch::Tensor> known, int64_t first,
-                                                  int64_t last, int64_t budget);
+                                                  int64_t last, int64_t budget,
+                                                  torch::Tensor pinned);
 
  private:
   torch::Tensor win_k_, win_v_, win_store_k_, sink_k_, sink_v_, pool_k_, pool_v_, anchors_;

@@ -16,6 +16,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <numeric>
 #include <vector>
 
@@ -66,10 +67,10 @@ void score(const A* ap, const float* w, int64_t n, int64_t n_kv, int64_t width, 
 
 // q: fp32 [n_heads, D]; anchors: fp32 or bf16 contiguous [n_blocks, n_kv, R, D] (all stored blocks;
 // candidates are first..last-1); quest: R == 2 and the bound weights; shared: one ranking
-// summed over heads, else one per KV head. Returns int64 block ids, ascending: [k] (shared)
-// or [n_kv, k].
+// summed over heads, else one per KV head; pinned: int64 block ids chosen before any other.
+// Returns int64 block ids, ascending: [k] (shared) or [n_kv, k].
 torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t first, int64_t last,
-                            int64_t k, bool quest, bool shared) {
+                            int64_t k, bool quest, bool shared, torch::Tensor pinned) {
   TORCH_CHECK(q.scalar_type() == at::kFloat, "fp32 query");
   const bool bf16 = anchors.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || anchors.scalar_type() == at::kFloat, "fp32 or bf16 anchors");
@@ -79,17 +80,21 @@ torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t firs
   TORCH_CHECK(q.dim() == 2 && q.size(1) == D && n_heads % n_kv == 0, "q: [n_heads, D]");
   TORCH_CHECK(R == (quest ? 2 : 1), "QUEST needs 2 anchor rows, other types 1");
   TORCH_CHECK(0 <= first && first <= last && last <= anchors.size(0), "bad candidate range");
+  TORCH_CHECK(pinned.scalar_type() == at::kLong && pinned.dim() == 1, "pinned: int64 [P]");
+  pinned = pinned.contiguous();
   k = std::min(k, last - first);
   auto out = torch::empty(shared ? std::vector<int64_t>{k} : std::vector<int64_t>{n_kv, k},
                           torch::kLong);
   kvchat::rank_blocks(q.contiguous().data_ptr<float>(), n_heads, anchors.data_ptr(), bf16, n_kv,
-                      R, D, first, last, k, quest, shared, out.data_ptr<int64_t>());
+                      R, D, first, last, k, quest, shared, pinned.data_ptr<int64_t>(),
+                      pinned.numel(), out.data_ptr<int64_t>());
   return out;
 }
 
 void kvchat::rank_blocks(const float* qp, int64_t n_heads, const void* anchors, bool bf16,
                          int64_t n_kv, int64_t R, int64_t D, int64_t first, int64_t last,
-                         int64_t k, bool quest, bool shared, int64_t* op) {
+                         int64_t k, bool quest, bool shared, const int64_t* pinned,
+                         int64_t n_pinned, int64_t* op) {
   const int64_t G = n_heads / n_kv, width = R * D, n = last - first;
   TORCH_CHECK(k <= n, "more blocks asked for than there are candidates");
   // Weights [n_kv, R * D]: the group's summed (bound) weights.
@@ -115,6 +120,10 @@ void kvchat::rank_blocks(const float* qp, int64_t n_heads, const void* anchors, 
   else
     score(static_cast<const float*>(anchors) + offset, w.data(), n, n_kv, width, shared,
           scores.data());
+  for (int64_t r = 0; r < rankings; ++r)
+    for (int64_t i = 0; i < n_pinned; ++i)
+      if (first <= pinned[i] && pinned[i] < last)
+        scores[r * n + pinned[i] - first] = std::numeric_limits<float>::infinity();
   std::vector<int64_t> idx(n);
   for (int64_t r = 0; r < rankings; ++r) {
     const float* sr = scores.data() + r * n;

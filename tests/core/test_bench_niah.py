@@ -49,6 +49,21 @@ def test_sparse_and_dense_cells() -> None:
     assert [done for done, _ in progress].count(0) == 4
 
 
+def test_the_question_pins_the_block_it_names() -> None:
+    # A 512-token window leaves ~25 candidate blocks for 8 selected: the anchors alone miss
+    # the needle's block in most layers (recall 0.1-0.5 at these depths), the question's
+    # vote puts it in every selection of the answer.
+    lc = ["local_windows_len=512", "second_select_num=8", "pinned_blocks=2"]
+    settings = load_settings(overrides=[f"long_context.{item}" for item in lc]).settings
+    result = run_niah_bench(
+        settings, TaskSpec(Task.SINGLE), [4096], [0.2, 0.6], trials=1, log=lambda line: None
+    )
+    for cell in result["cells"]:
+        assert cell["needle_recall_first_token"] == cell["needle_recall_answer"] == 1.0
+        assert cell["needle_recall_question"] > 0.8  # the early layers vote before they know
+        assert cell["ok"], cell["answer"]
+
+
 def test_cli_refuses_a_bad_haystack(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["bench", "niah", "--lengths", "1k", "--haystack", str(tmp_path / "none.txt")])
     err = capsys.readouterr().err.strip().splitlines()

@@ -51,6 +51,7 @@ def small_settings(**changes) -> LongContextSettings:
         block_size=32,
         local_windows_len=128,
         second_select_num=4,
+        pinned_blocks=0,
         dense_layer_num=1,
         attention="sparse",
     )

@@ -12,7 +12,7 @@ from kvchat.kv.attention import decode_attention
 from kvchat.kv.kernels import rotation
 from kvchat.kv.positions import rotate
 from kvchat.kv.quant import BlockPool
-from kvchat.kv.selection import HEAD_SELECT_MODES, score_blocks, select_top
+from kvchat.kv.selection import HEAD_SELECT_MODES, pin, score_blocks, select_top
 
 from .conftest import run, small_settings, sparse_cache, tiny_model
 
@@ -173,17 +173,21 @@ def test_a_quantized_run_outside_its_source_is_refused(kv_type):
 @pytest.mark.parametrize("anchor_type", ANCHOR_TYPES)
 @pytest.mark.parametrize("k", [5, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_block_selection_equals_score_blocks_and_select_top(dtype, anchor_type, mode, k):
+@pytest.mark.parametrize("pinned", [[], [2, 3, 30, 36, 44]])
+def test_block_selection_equals_score_blocks_and_select_top(dtype, anchor_type, mode, k, pinned):
     gen = torch.Generator().manual_seed(2)
     n_kv, group, dim, n_blocks, first, last = 3, 3, 64, 50, 1, 37
     shape = (n_blocks, n_kv, anchor_rows(anchor_type), dim)
     anchors = torch.randn(*shape, generator=gen).to(dtype)
     query = torch.randn(n_kv * group, dim, generator=gen)
-    got = cpu_kernel.select_blocks(query, anchors, first, last, k, anchor_type, mode)
+    pinned = torch.tensor(pinned, dtype=torch.long)  # 44: not a candidate, ignored
+    got = cpu_kernel.select_blocks(query, anchors, first, last, k, anchor_type, mode, pinned)
     scores = score_blocks(query, anchors[first:last], anchor_type, mode)
-    want = first + select_top(scores, k)
+    want = first + select_top(pin(scores, torch.arange(first, last), pinned), k)
     assert torch.equal(got, want)
     assert got.shape[-1] == min(k, last - first)
+    chosen = got.reshape(-1, got.shape[-1])
+    assert all(set(pinned[pinned < last].tolist()) <= set(row.tolist()) for row in chosen)
 
 
 CASES = {

@@ -25,9 +25,16 @@ def reference(tiny, ids):
 
 @pytest.mark.parametrize("anchor_type", ["DYNAMIC", "FIXED", "BLOCK_MEAN", "BLOCK_MAX", "QUEST"])
 @pytest.mark.parametrize("mode", ["SHARED", "SEPARATE"])
-def test_full_budget_equals_dense(tiny, ids, reference, anchor_type, mode):
+@pytest.mark.parametrize("pinned", [0, 2])
+def test_full_budget_equals_dense(tiny, ids, reference, anchor_type, mode, pinned):
+    # The prompt's last pass (60 tokens) is shorter than a chunk, so with pinned_blocks its
+    # layers vote, and the pins lead every selection of the decode.
     settings = small_settings(
-        second_select_num=FULL, anchor_type=anchor_type, head_select_mode=mode, dense_layer_num=0
+        second_select_num=FULL,
+        pinned_blocks=pinned,
+        anchor_type=anchor_type,
+        head_select_mode=mode,
+        dense_layer_num=0,
     )
     got = run(tiny, sparse_cache(tiny, settings), ids, 64, DECODE)
     assert (got - reference[64]).abs().max().item() < TOL

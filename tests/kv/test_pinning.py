@@ -1,0 +1,103 @@
+"""The prompt's vote for the blocks its answer reads (kv/pinning.py) and how the cache uses it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kvchat.kv import pinning
+from kvchat.kv.sparse import SparseBackend
+
+from .conftest import small_settings
+from .test_sparse_parts import NoRotation
+
+
+def test_layer_shares_equal_one_softmax_over_every_key():
+    gen = torch.Generator().manual_seed(1)
+    n_kv, group, n_q, dim, block, n_blocks = 2, 3, 5, 16, 4, 300  # two chunks of blocks
+    q = torch.randn(n_kv * group, n_q, dim, generator=gen)
+    keys = torch.randn(n_kv, n_blocks * block, dim, generator=gen)
+    first, last = 7, n_blocks
+
+    def read(lo: int, hi: int) -> torch.Tensor:
+        return keys[:, lo * block : hi * block]
+
+    got = pinning.layer_shares(q, read, first, last)
+    rows = q.reshape(n_kv, group * n_q, dim)
+    probs = torch.softmax(rows @ keys[:, first * block :].transpose(1, 2) / math.sqrt(dim), -1)
+    want = probs.unflatten(-1, (last - first, block)).sum(-1).flatten(0, 1).amax(0)
+    assert got.shape == (last - first,)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_pick_takes_the_top_votes_and_the_blocks_after_them():
+    votes = torch.tensor([0.1, 0.9, 0.0, 0.2, 0.8])  # blocks 3..7
+    assert pinning.pick(votes, 3, 2, last=8).tolist() == [4, 5, 7]  # 8 is not a candidate
+    assert pinning.pick(votes, 3, 3, last=8).tolist() == [4, 5, 6, 7]  # 5 once
+    assert pinning.pick(votes, 3, 0, last=8).tolist() == []
+
+
+PROMPT, CHUNK, B, D = 700, 64, 32, 32
+
+
+def _cache(settings) -> SparseBackend:
+    """One layer, two query heads over one KV head, positions that rotate nothing."""
+    return SparseBackend(
+        1, 2, 1, D, NoRotation(), torch.float32, "cpu", settings, "native", 4096, 4096
+    )
+
+
+def _planted_cache(pinned_blocks: int) -> tuple[SparseBackend, torch.Tensor]:
+    """One layer whose prompt plants `needle` in the keys of block 5 and ends with queries
+    along it (a question that names the block); the decode query points elsewhere."""
+    gen = torch.Generator().manual_seed(3)
+    settings = small_settings(
+        second_select_num=4, pinned_blocks=pinned_blocks, dense_layer_num=0, chunk_size=CHUNK
+    )
+    cache = _cache(settings)
+    needle = torch.randn(D, generator=gen)
+    needle = 4 * needle / needle.norm()
+    keys = 0.1 * torch.randn(1, PROMPT, D, generator=gen)
+    keys[0, 5 * B : 6 * B] += needle
+    for start in range(0, PROMPT, CHUNK):
+        n = min(CHUNK, PROMPT - start)
+        q = 0.1 * torch.randn(2, n, D, generator=gen)
+        if start + n == PROMPT:
+            q[:, -8:] += needle  # the prompt's last queries ask for the needle
+        cache.begin(n)
+        cache.attend(0, q, keys[:, start : start + n], torch.randn(1, n, D, generator=gen))
+        cache.commit()
+    return cache, needle
+
+
+@pytest.mark.parametrize("pinned_blocks", [0, 1])
+def test_a_block_the_question_names_is_read_by_the_answer(pinned_blocks):
+    cache, needle = _planted_cache(pinned_blocks)
+    elsewhere = -needle  # the answer's query alone would rank block 5 last
+    cache.begin(1)
+    cache.attend(0, elsewhere.expand(2, 1, D), torch.zeros(1, 1, D), torch.zeros(1, 1, D))
+    cache.commit()
+    selected = cache.stats().layers[0].selected
+    assert (5 in selected) == (pinned_blocks > 0)
+    if pinned_blocks:
+        assert cache._pinned.tolist() == [5, 6]  # the block and the one after it
+        assert len(selected) == 4  # inside second_select_num
+
+
+def test_pins_take_at_most_half_the_budget():
+    settings = small_settings(second_select_num=8, pinned_blocks=5)
+    cache = _cache(settings)
+    assert cache._pin_count() == 2  # 2 pins and the 2 blocks after them: 4 of 8
+    cache.retune(small_settings(second_select_num=3, pinned_blocks=5))
+    assert cache._pin_count() == 0
+
+
+def test_pins_last_for_one_answer_and_only_short_passes_vote():
+    cache, _ = _planted_cache(1)
+    assert cache._pinned.tolist() == [5, 6]
+    cache.begin(CHUNK)  # a full chunk: a document's middle, no vote
+    assert cache._pinned.numel() == 0 and cache._votes is None
+    cache.truncate(PROMPT)
+    assert cache._pinned.numel() == 0
