@@ -1,14 +1,15 @@
-"""The blocks a question reads: a vote of its queries' exact attention over every stored key.
+"""The blocks a question reads: a vote of its queries' exact scores over every stored key.
 
 Anchors bound a block's scores from 128 keys, summed over heads, and on natural prose that
 bound ranks the block a question is about no better than its neighbours. The question
 itself names it: a few heads of a few layers (duplicate-token and retrieval heads) put most
 of their attention on the tokens the question repeats (a name, a key), and none of them
-needs to be known in advance. So once per prompt, before the answer's first token, the
-prompt's last queries attend exactly to every stored key of every layer; each layer gives
-each block the largest share of attention any of its (head, query) pairs gives it, the
-shares are summed over layers, and the top blocks, each with the block after it (where the
-answer to a matched phrase is written), are read by every layer while the answer decodes.
+needs to be known in advance. So in a prompt's last pass the last queries of each layer
+score every stored key exactly; a block's score is its best key's, each (head, query)
+softmaxes these over the blocks, and the layer gives each block the largest share any
+(head, query) gives it. The shares add up over the layers, and the blocks with the most
+votes so far, each with the block after it (where the answer to a matched phrase is
+written), lead the selection of the later layers of the pass and of the whole answer.
 
 The vote costs one pass over the stored keys per prompt; the decode steps after it read the
 same number of blocks as before.
@@ -27,26 +28,28 @@ _CHUNK_BLOCKS = 256
 KeyReader = Callable[[int, int], torch.Tensor]
 
 
-def layer_shares(q: torch.Tensor, read_keys: KeyReader, first: int, last: int) -> torch.Tensor:
-    """Per block of first..last-1, the largest share of attention one (head, query) gives it.
+def layer_shares(
+    q: torch.Tensor, read_keys: KeyReader, first: int, last: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Per block of first..last-1, the largest share one (head, query) gives it.
 
     q: [n_heads, n_q, D] queries as they read stored keys; read_keys(lo, hi): the keys of
-    blocks lo..hi-1, [n_kv, (hi - lo) * block, D]. Each (head, query) softmaxes over the keys
-    of all these blocks; returns float32 [last - first].
+    blocks lo..hi-1, [n_kv, (hi - lo) * block, D]; dtype: of the products (the keys' bf16
+    where the CPU multiplies bf16 in hardware, else float32). A block's score for a (head,
+    query) is its best key's; each (head, query) softmaxes them over the blocks (a softmax
+    over every key costs an exp per key, 2.5x the products). Returns float32 [last - first].
     """
     n_heads, n_q, dim = q.shape
     parts = []
     for lo in range(first, last, _CHUNK_BLOCKS):
         hi = min(lo + _CHUNK_BLOCKS, last)
-        keys = read_keys(lo, hi).float()
+        keys = read_keys(lo, hi).to(dtype)
         n_kv = keys.shape[0]
-        rows = q.float().reshape(n_kv, n_heads // n_kv * n_q, dim)
-        scores = torch.matmul(rows, keys.transpose(1, 2)) * (1 / math.sqrt(dim))
-        # log of each block's attention mass, before the softmax's normalisation
-        parts.append(torch.logsumexp(scores.unflatten(-1, (hi - lo, -1)), dim=-1))
-    mass = torch.cat(parts, dim=-1)
-    shares = torch.exp(mass - torch.logsumexp(mass, dim=-1, keepdim=True))
-    return shares.flatten(0, 1).amax(dim=0)
+        rows = q.to(dtype).reshape(n_kv, n_heads // n_kv * n_q, dim)
+        scores = torch.matmul(rows, keys.transpose(1, 2))
+        parts.append(scores.unflatten(-1, (hi - lo, -1)).amax(dim=-1).float())
+    best = torch.cat(parts, dim=-1) * (1 / math.sqrt(dim))
+    return torch.softmax(best, dim=-1).flatten(0, 1).amax(dim=0)
 
 
 def pick(votes: torch.Tensor, first: int, count: int, last: int) -> torch.Tensor:

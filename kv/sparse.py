@@ -39,6 +39,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from kvchat.config import LongContextSettings
+from kvchat.native.cpu import widened_products
 
 from . import cpu_kernel, pinning
 from .anchors import anchor_dtype, anchor_rows, block_anchors
@@ -220,6 +221,10 @@ class SparseBackend(AttentionBackend):
         self._needs_preselect = False
         self._pinned = torch.empty(0, dtype=torch.long)  # blocks the last prompt voted for
         self._votes: torch.Tensor | None = None  # the votes of this pass's layers so far
+        # The vote's products: bf16 where the CPU multiplies it in hardware; native positions
+        # rotate the keys back in fp32 first.
+        exact = position_mode == "native" or widened_products(torch.device("cpu"), dtype)
+        self._vote_dtype = torch.float32 if exact else dtype
         self._cos = self._sin = self._far_cos = self._far_sin = torch.empty(0)
         self._last_selection: list[torch.Tensor | None] = [None] * n_layers
         # Extrapolation keeps local distances (window + partial block + pass) in the trained
@@ -717,7 +722,9 @@ class SparseBackend(AttentionBackend):
         first, last = _SINK_BLOCKS, self._n_anchored
         cos, sin = self.rope.cos_sin(self.window, 1, torch.float32)
         queries = rotate(q[:, -_PROMPT_QUERIES:].float().cpu(), cos, sin)
-        self._votes += pinning.layer_shares(queries, self._key_reader(st), first, last)
+        self._votes += pinning.layer_shares(
+            queries, self._key_reader(st), first, last, self._vote_dtype
+        )
         self._pinned = pinning.pick(self._votes, first, self._pin_count(), last)
 
     def _pin_count(self) -> int:

@@ -21,6 +21,8 @@ CASES = [
     {"head_select_mode": "SEPARATE", "anchor_type": "BLOCK_MEAN"},
     {"token_step": 3, "layer_step": 2, "dense_layer_num": 0},
     {"second_select_num": 0},
+    {"pinned_blocks": 1},
+    {"pinned_blocks": 1, "kv_type": "INT8", "head_select_mode": "SEPARATE"},
 ]
 
 
@@ -56,6 +58,9 @@ def test_one_call_layer_equals_the_python_path(model, changes, position_mode):
     want = run(model, plain, ids, 64, decode=70)
     assert torch.equal(got, want)
     assert fused.stats() == plain.stats()
+    # The prompt's last pass (24 tokens) votes: both paths take the same pins first.
+    assert torch.equal(fused._pinned, plain._pinned)
+    assert (fused._pinned.numel() > 0) == ("pinned_blocks" in changes)
     dense = small_settings(**changes).dense_layer_num
     assert len(calls) == 70 * (model.cfg.num_layers - dense)
     # After a truncate below the window, which reloads the window buffer in place.
