@@ -4,6 +4,10 @@ The document sits at the start of the first user message, so its tokens form a p
 stays the same for every later question: a follow-up prefills only the new turns. It is
 tokenized once (it can be 1M tokens); the template around it is rendered with a placeholder
 and only the small pieces around the placeholder are tokenized per turn.
+
+Documents and messages are plain text: a special-token string in them ("<|im_end|>") encodes
+as its characters, so text a user loads or types cannot close a turn or open a system one;
+only the template's own markers become control tokens.
 """
 
 from __future__ import annotations
@@ -23,19 +27,29 @@ class Conversation:
     document_name: str | None = None
     messages: list[dict[str, str]] = field(default_factory=list)  # user/assistant turns
 
-    def _template_messages(self, pending_question: str | None) -> list[dict[str, str]]:
-        turns = list(self.messages)
-        if pending_question is not None:
+    def _template_messages(
+        self, tokenizer: Tokenizer, pending_question: str | None
+    ) -> list[dict[str, str]]:
+        """The turns to render, their texts shielded (typed, quoted or replied text never
+        becomes a control token); the question is shielded unless it is kvchat's own slot."""
+        turns = [{**m, "content": tokenizer.shield(m["content"])} for m in self.messages]
+        if pending_question == _PENDING_QUESTION:
             turns.append({"role": "user", "content": pending_question})
+        elif pending_question is not None:
+            turns.append({"role": "user", "content": tokenizer.shield(pending_question)})
         if self.document_ids and turns:
             first = turns[0]
             turns[0] = {"role": first["role"], "content": f"{_PLACEHOLDER}\n\n{first['content']}"}
-        system = [{"role": "system", "content": self.system}] if self.system else []
+        system = (
+            [{"role": "system", "content": tokenizer.shield(self.system)}] if self.system else []
+        )
         return system + turns
 
     def prompt_ids(self, tokenizer: Tokenizer, question: str) -> list[int]:
         """Ids of the whole history plus `question` as a new user turn, ready for the reply."""
-        text = tokenizer.chat_text(self._template_messages(question), add_generation_prompt=True)
+        text = tokenizer.chat_text(
+            self._template_messages(tokenizer, question), add_generation_prompt=True
+        )
         return self._encode_around_document(tokenizer, text)
 
     def document_prefix_ids(self, tokenizer: Tokenizer) -> list[int]:
@@ -43,7 +57,7 @@ class Conversation:
         if not self.document_ids or self.messages:
             raise ValueError("a document prefix exists only before the first question")
         text = tokenizer.chat_text(
-            self._template_messages(_PENDING_QUESTION), add_generation_prompt=False
+            self._template_messages(tokenizer, _PENDING_QUESTION), add_generation_prompt=False
         )
         return self._encode_around_document(
             tokenizer, text[: text.index(_PLACEHOLDER) + len(_PLACEHOLDER)]
@@ -52,19 +66,15 @@ class Conversation:
     def document_prefix_length(self, tokenizer: Tokenizer) -> int:
         """Tokens of the template before the document's first token."""
         text = tokenizer.chat_text(
-            self._template_messages(_PENDING_QUESTION), add_generation_prompt=False
+            self._template_messages(tokenizer, _PENDING_QUESTION), add_generation_prompt=False
         )
-        return len(tokenizer.encode(text[: text.index(_PLACEHOLDER)]))
+        return len(tokenizer.encode_chat(text[: text.index(_PLACEHOLDER)]))
 
     def _encode_around_document(self, tokenizer: Tokenizer, text: str) -> list[int]:
         if not self.document_ids:
-            return tokenizer.encode(text)
+            return tokenizer.encode_chat(text)
         before, after = text.split(_PLACEHOLDER, 1)
-        return (
-            tokenizer.encode(before)
-            + self.document_ids
-            + (tokenizer.encode(after) if after else [])
-        )
+        return tokenizer.encode_chat(before) + self.document_ids + tokenizer.encode_chat(after)
 
     def add_turn(self, question: str, answer: str) -> None:
         self.messages += [

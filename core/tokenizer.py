@@ -188,6 +188,12 @@ class Tokenizer:
         # Some tokenizer.json files enable truncation (e.g. to 512); a document must never be cut.
         self._tok.no_truncation()
         self._tok.no_padding()
+        self._text_tok = _plain_text_tokenizer(parts.tokenizer_json)
+        # Strings a message's text must not carry into the template: every added token's
+        # text (it would encode to the control token) and NUL (it delimits kvchat's own slots).
+        added_texts = {t.content for t in self._tok.get_added_tokens_decoder().values()}
+        self._literals = sorted(added_texts | {"\0"}, key=len, reverse=True)
+        self._literal_re = re.compile("|".join(map(re.escape, self._literals)))
         self.name = name
         self.chat_template = parts.chat_template
         self._special_tokens = parts.special_tokens
@@ -196,7 +202,7 @@ class Tokenizer:
 
         # bos_id is what the tokenizer itself puts before a plain text, so completion mode can
         # do the same; SmolLM2 puts nothing (its <|im_start|> belongs to the chat template).
-        plain = self._tok.encode("a", add_special_tokens=False).ids
+        plain = self._text_tok.encode("a", add_special_tokens=False).ids
         full = self._tok.encode("a", add_special_tokens=True).ids
         self.bos_id: int | None = full[0] if full[:1] != plain[:1] else None
 
@@ -208,9 +214,27 @@ class Tokenizer:
         self.eos_ids: tuple[int, ...] = tuple(dict.fromkeys(i for i in eos if i is not None))
 
     def encode(self, text: str) -> list[int]:
-        """Ids of `text` with no special tokens added (special-token strings in it still map
-        to their ids, as in transformers)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+        """Ids of `text` as plain text: nothing added, and special-token strings in it
+        ("<|im_start|>") encode as the characters they are, never as control tokens."""
+        return self._text_tok.encode(text, add_special_tokens=False).ids
+
+    def shield(self, text: str) -> str:
+        """`text` with every special-token string (and NUL) replaced by a slot that
+        encode_chat encodes as plain text: a message's text cannot open or close a turn."""
+        return self._literal_re.sub(
+            lambda m: f"\0kvchat-literal-{self._literals.index(m.group())}\0", text
+        )
+
+    def encode_chat(self, text: str) -> list[int]:
+        """Ids of rendered chat text: the template's own markers become control tokens, the
+        slots `shield` left become the plain text they stand for."""
+        ids: list[int] = []
+        start = 0
+        for slot in _LITERAL_SLOT.finditer(text):
+            ids += self._tok.encode(text[start : slot.start()], add_special_tokens=False).ids
+            ids += self.encode(self._literals[int(slot.group(1))])
+            start = slot.end()
+        return ids + self._tok.encode(text[start:], add_special_tokens=False).ids
 
     def encode_long(
         self,
@@ -232,7 +256,7 @@ class Tokenizer:
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"tokenizing cancelled after {done:,} of {total:,} characters")
             batch = pieces[first : first + _BATCH_PIECES]
-            for encoding in self._tok.encode_batch_fast(batch, add_special_tokens=False):
+            for encoding in self._text_tok.encode_batch_fast(batch, add_special_tokens=False):
                 ids.extend(encoding.ids)
             done += sum(map(len, batch))
             if on_progress is not None:
@@ -248,7 +272,8 @@ class Tokenizer:
     def chat_text(
         self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
     ) -> str:
-        """`messages` rendered with the model's own chat template."""
+        """`messages` rendered with the model's own chat template, as given: pass their
+        contents through `shield` first, and encode the result with `encode_chat`."""
         if self.chat_template is None:
             raise TokenizerError(
                 f"{self.name} has no chat template, so it cannot chat; use completion mode instead"
@@ -270,8 +295,9 @@ class Tokenizer:
         self, messages: Sequence[dict[str, str]], add_generation_prompt: bool = True
     ) -> list[int]:
         """Ids of `messages` rendered with the model's chat template (ends with the assistant
-        prompt when `add_generation_prompt`)."""
-        return self.encode(self.chat_text(messages, add_generation_prompt))
+        prompt when `add_generation_prompt`); their contents are plain text."""
+        shielded = [{**m, "content": self.shield(m["content"])} for m in messages]
+        return self.encode_chat(self.chat_text(shielded, add_generation_prompt))
 
     @cached_property
     def _template(self) -> jinja2.Template:
@@ -284,17 +310,8 @@ class Tokenizer:
     @cached_property
     def _splits_exactly(self) -> bool:
         """Whether cutting at _BOUNDARY keeps the ids of this tokenizer unchanged."""
-        for token in self._tok.get_added_tokens_decoder().values():
-            # Such tokens match (or swallow) text on both sides of a cut.
-            if (
-                token.lstrip
-                or token.rstrip
-                or token.single_word
-                or any(c.isspace() for c in token.content)
-            ):
-                return False
         pieces = _split_pieces(_PROBE, 1)  # a cut at every boundary
-        cut = self._tok.encode_batch_fast(pieces, add_special_tokens=False)
+        cut = self._text_tok.encode_batch_fast(pieces, add_special_tokens=False)
         return [i for encoding in cut for i in encoding.ids] == self.encode(_PROBE)
 
     def _end_of_turn_id(self) -> int | None:
@@ -307,8 +324,25 @@ class Tokenizer:
         except TokenizerError:
             return None
         _, found, after = text.partition(marker)
-        ids = self.encode(after) if found else []
+        ids = self.encode_chat(after) if found else []
         return ids[0] if ids and ids[0] in self._added_ids else None
+
+
+_LITERAL_SLOT = re.compile("\0kvchat-literal-(\\d+)\0")
+
+
+def _plain_text_tokenizer(tokenizer_json: str) -> tokenizers.Tokenizer:
+    """The tokenizer with its added tokens left unmatched: the text "<|im_end|>" encodes to
+    the pieces of its characters, as any other text. The library skips only tokens marked
+    special, so every added token is marked special first."""
+    data = json.loads(tokenizer_json)
+    for token in data.get("added_tokens") or []:
+        token["special"] = True
+    plain = tokenizers.Tokenizer.from_str(json.dumps(data))
+    plain.encode_special_tokens = True
+    plain.no_truncation()
+    plain.no_padding()
+    return plain
 
 
 def load_tokenizer(source: Path) -> Tokenizer:
