@@ -11,6 +11,7 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
 from gguf.quants import dequantize
 
+from .gguf_header import read_gguf_header
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, UnsupportedModelError
 from .weights import Int4Groups, Int8Groups, ModelWeights, WeightsError, expected_shapes
 
@@ -100,6 +101,7 @@ class _Reader(GGUFReader):
 
 
 def _open(path: Path) -> GGUFReader:
+    read_gguf_header(path)  # a hostile header is refused before gguf-py trusts its counts
     try:
         reader = _Reader(path)
     except Exception as exc:  # GGUFReader reports bad input as whatever numpy raises

@@ -69,15 +69,19 @@ def config_from_hf(
         )
 
     def required(key: str) -> int:
-        value = raw.get(key)
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            what = "missing" if value is None else f"invalid ({value!r})"
-            raise WeightsError(f"config.json: {key} is {what}")
-        return value
+        return _positive(raw, key, None, int)
 
     hidden, heads = required("hidden_size"), required("num_attention_heads")
     # transformers 5 moved rope_theta and the scaling into one rope_parameters dict.
-    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    rope_key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
+    rope = raw.get(rope_key) or {}
+    if not isinstance(rope, dict):
+        raise WeightsError(f"config.json: {rope_key} is {rope!r}, expected an object")
+    tie = raw.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise WeightsError(f"config.json: tie_word_embeddings is {tie!r}, expected true or false")
+    bos = raw.get("bos_token_id")
+    theta = _positive(raw, "rope_theta", 1e4, float)  # transformers 4 keeps it at the top
     return ModelConfig(
         architecture=arch,
         vocab_size=required("vocab_size"),
@@ -85,26 +89,61 @@ def config_from_hf(
         intermediate_size=required("intermediate_size"),
         num_layers=required("num_hidden_layers"),
         num_heads=heads,
-        num_kv_heads=raw.get("num_key_value_heads") or heads,
-        head_dim=raw.get("head_dim") or hidden // heads,
-        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+        num_kv_heads=_positive(raw, "num_key_value_heads", heads, int),
+        head_dim=_positive(raw, "head_dim", hidden // heads, int),
+        rms_norm_eps=_positive(raw, "rms_norm_eps", 1e-6, float),
+        rope_theta=_positive(rope, "rope_theta", theta, float, where=f"{rope_key}."),
         max_position_embeddings=required("max_position_embeddings"),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        tie_word_embeddings=tie,
         attention_bias=arch == "qwen2",
-        rope_scaling=rope_scaling_from_dict(rope),
-        bos_token_id=raw.get("bos_token_id"),
+        rope_scaling=rope_scaling_from_dict(rope, rope_key),
+        bos_token_id=bos if isinstance(bos, int) and not isinstance(bos, bool) else None,
         eos_token_ids=tuple(dict.fromkeys(_ids(raw.get("eos_token_id")) + extra_eos)),
         name=name,
     )
 
 
-def rope_scaling_from_dict(rope: dict[str, object]) -> RopeScaling:
+def rope_scaling_from_dict(rope: dict[str, object], where: str = "rope_scaling") -> RopeScaling:
     """RopeScaling from `rope_scaling` (key `type` or `rope_type`) or `rope_parameters`."""
     kind = rope.get("rope_type", rope.get("type", "default"))
-    return RopeScaling(
-        rope_type=str(kind), **{k: rope[k] for k in _ROPE_FIELDS if rope.get(k) is not None}
-    )
+    values: dict[str, object] = {}
+    for key in _ROPE_FIELDS:
+        if rope.get(key) is None:
+            continue
+        if key == "truncate":
+            if not isinstance(rope[key], bool):
+                raise WeightsError(
+                    f"config.json: {where}.{key} is {rope[key]!r}, expected true or false"
+                )
+            values[key] = rope[key]
+        elif key == "original_max_position_embeddings":
+            values[key] = _positive(rope, key, None, int, where=f"{where}.")
+        else:  # yarn's mscale and attention factors may be 0
+            values[key] = _positive(
+                rope, key, None, float, zero_ok=key != "factor", where=f"{where}."
+            )
+    return RopeScaling(rope_type=str(kind), **values)
+
+
+def _positive(
+    raw: dict[str, object],
+    key: str,
+    default: float | None,
+    kind: type,
+    zero_ok: bool = False,
+    where: str = "",
+) -> float:
+    """raw[key] (or `default` when absent or null) as a positive int or finite float."""
+    value = raw.get(key)
+    if value is None and default is not None:
+        return default
+    number = isinstance(value, int | float) and not isinstance(value, bool)
+    if kind is int and not isinstance(value, int):
+        number = False
+    if not number or not (0 <= value if zero_ok else 0 < value) or value == float("inf"):
+        what = "missing" if value is None else f"{value!r}, expected a positive {kind.__name__}"
+        raise WeightsError(f"config.json: {where}{key} is {what}")
+    return kind(value)
 
 
 def _ids(value: object) -> tuple[int, ...]:

@@ -455,6 +455,13 @@ def _read_gguf(path: Path) -> _TokenizerParts:
         raise TokenizerError(f"{path}: cannot be read ({e})") from e
     if magic != b"GGUF":
         raise TokenizerError(f"{path}: not a GGUF file (it does not start with the GGUF magic)")
+    from .gguf_header import read_gguf_header
+    from .weights import WeightsError
+
+    try:
+        read_gguf_header(path)  # before transformers' GGUF reader trusts the header's counts
+    except WeightsError as e:
+        raise TokenizerError(str(e)) from e
     from transformers import AutoTokenizer  # slow import, needed only on a cache miss
 
     try:

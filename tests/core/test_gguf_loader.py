@@ -4,6 +4,10 @@ against transformers' own GGUF loader, and the errors a user sees for bad files.
 from __future__ import annotations
 
 import math
+import os
+import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +19,7 @@ from gguf.quants import dequantize, quantize
 
 from kvchat.core.gguf_loader import load_gguf
 from kvchat.core.model_config import RopeScaling, UnsupportedModelError
+from kvchat.core.tokenizer import TokenizerError, load_tokenizer
 from kvchat.core.weights import WeightsError
 
 VOCAB, HIDDEN, INTER, LAYERS, HEADS, KV_HEADS = 32, 256, 512, 2, 4, 2  # K-quants need 256-wide rows
@@ -618,3 +623,81 @@ def test_missing_metadata_key(tmp_path):
     meta = {"llama.block_count": None}
     with pytest.raises(WeightsError, match=r"llama\.block_count is missing"):
         load_gguf(write_model(tmp_path / "m.gguf", random_model(), metadata=meta))
+
+
+# --- hostile headers: refused before gguf-py trusts their counts ---------------------------
+
+U64_MAX_HALF = 2**63
+
+
+def _header(n_tensors: int, n_kv: int, body: bytes) -> bytes:
+    return b"GGUF" + struct.pack("<IQQ", 3, n_tensors, n_kv) + body
+
+
+def _key(name: bytes) -> bytes:
+    return struct.pack("<Q", len(name)) + name
+
+
+HOSTILE_HEADERS = {
+    # one key/value: an array of 2^63 uint8
+    "array-count": _header(0, 1, _key(b"a") + struct.pack("<IIQ", 9, 0, U64_MAX_HALF)),
+    "string-array-count": _header(0, 1, _key(b"a") + struct.pack("<IIQ", 9, 8, U64_MAX_HALF)),
+    "string-length": _header(0, 1, struct.pack("<Q", U64_MAX_HALF) + b"a"),
+    "kv-count": _header(0, U64_MAX_HALF, _key(b"a") + struct.pack("<IB", 0, 1)),
+    "tensor-count": _header(U64_MAX_HALF, 0, _key(b"t") + struct.pack("<IQIQ", 1, 4, 0, 0)),
+    "five-dims": _header(1, 0, _key(b"t") + struct.pack("<I5QIQ", 5, 1, 1, 1, 1, 1, 0, 0)),
+    "huge-dims": _header(1, 0, _key(b"t") + struct.pack("<I2QIQ", 2, 2**40, 2**40, 0, 0)),
+    "nested-arrays": _header(
+        0, 1, _key(b"a") + struct.pack("<IIQ", 9, 9, 1) + struct.pack("<IQ", 9, 1) * 8
+    ),
+    "unknown-type": _header(0, 1, _key(b"a") + struct.pack("<I", 77) + bytes(8)),
+}
+
+
+@pytest.mark.parametrize("name", HOSTILE_HEADERS)
+def test_a_hostile_header_is_refused_in_one_line(tmp_path, name):
+    path = tmp_path / f"{name}.gguf"
+    path.write_bytes(HOSTILE_HEADERS[name])
+    with pytest.raises(WeightsError, match=rf"{name}\.gguf is not a readable GGUF file") as info:
+        load_gguf(path)
+    assert "\n" not in str(info.value)
+    with pytest.raises(TokenizerError, match=rf"{name}\.gguf is not a readable GGUF file"):
+        load_tokenizer(path)
+
+
+# The model loads and the tokenizer converts in a child whose address space is capped, so an
+# allocation the header asks for fails there instead of swapping this machine.
+CAPPED_LOAD = """
+import resource, sys
+from pathlib import Path
+from kvchat.core.tokenizer import TokenizerError, load_tokenizer
+from kvchat.core.weights import WeightsError, load_weights
+cap = 6 << 30
+resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+for load, error in ((load_weights, WeightsError), (load_tokenizer, TokenizerError)):
+    try:
+        load(Path(sys.argv[1]))
+    except error as e:
+        print("refused:", e)
+"""
+
+
+def test_an_array_count_of_2_63_is_refused_at_once_under_a_memory_cap(tmp_path):
+    path = tmp_path / "bomb.gguf"
+    path.write_bytes(HOSTILE_HEADERS["array-count"])
+    done = subprocess.run(
+        [sys.executable, "-c", CAPPED_LOAD, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KVCHAT_HOME": str(tmp_path / "home")},
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("refused:") == 2 and "not a readable GGUF file" in done.stdout
+
+
+def test_a_block_count_beyond_the_tensors_is_refused(tmp_path):
+    meta = {"llama.block_count": 1_000_000}
+    path = write_model(tmp_path / "m.gguf", random_model(), metadata=meta)
+    with pytest.raises(WeightsError, match=r"block_count says 1000000 layers, .* tensors for 2"):
+        load_gguf(path)

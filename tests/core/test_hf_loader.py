@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -228,3 +231,42 @@ def test_missing_config_key(tmp_path):
     edit_config(tmp_path, lambda raw: raw.pop("hidden_size"))
     with pytest.raises(WeightsError, match="hidden_size is missing"):
         load_hf(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [
+        ("num_key_value_heads", "x"),
+        ("num_key_value_heads", 0.5),
+        ("head_dim", -4),
+        ("rms_norm_eps", "tiny"),
+        ("rope_theta", True),
+        ("hidden_size", [64]),
+        ("tie_word_embeddings", "yes"),
+        ("rope_parameters", "linear"),
+        ("rope_parameters", {"rope_type": "linear", "factor": "2"}),
+        ("rope_parameters", {"rope_type": "yarn", "factor": 4.0, "beta_fast": {"a": 1}}),
+    ],
+)
+def test_mistyped_config_fields_are_one_line_errors(tmp_path, key, value):
+    save_model(tmp_path)
+    edit_config(tmp_path, lambda raw: raw.update({key: value}))
+    with pytest.raises(WeightsError, match=rf"config\.json: {key}[ .]") as info:
+        load_hf(tmp_path)
+    assert "\n" not in str(info.value)
+
+
+def test_a_mistyped_config_exits_2_with_a_message(tmp_path):
+    save_model(tmp_path)
+    edit_config(tmp_path, lambda raw: raw.update(num_key_value_heads="x"))
+    done = subprocess.run(
+        [sys.executable, "-m", "kvchat", "plan", "--model", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "KVCHAT_HOME": str(tmp_path / "home")},
+    )
+    assert done.returncode == 2
+    assert done.stderr.strip() == (
+        "kvchat: error: config.json: num_key_value_heads is 'x', expected a positive int"
+    )
