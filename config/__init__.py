@@ -2,6 +2,7 @@
 validate / save of the user's file ($KVCHAT_HOME/config.yaml, default ~/.kvchat)."""
 
 from .errors import ConfigError
+from .home import kvchat_home
 from .overrides import apply_overrides
 from .schema import (
     CacheSettings,
@@ -19,7 +20,6 @@ from .schema import (
 from .store import (
     LoadedSettings,
     default_config_path,
-    kvchat_home,
     load_settings,
     save_changes,
     save_settings,

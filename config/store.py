@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import os
 import stat
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -15,16 +16,11 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
+from .home import kvchat_home, private_folder
 from .overrides import apply_overrides
 from .schema import Settings, changed_keys, replace_key, schema_fields, sections
 from .validate import Problem, build_settings, did_you_mean, fail, kind, validate_settings
 from .yamltext import edit_values, parse, settings_to_yaml
-
-
-def kvchat_home() -> Path:
-    """$KVCHAT_HOME, or ~/.kvchat when it is unset or empty."""
-    value = os.environ.get("KVCHAT_HOME")
-    return Path(value).expanduser() if value else Path.home() / ".kvchat"
 
 
 def default_config_path() -> Path:
@@ -63,8 +59,11 @@ def load_settings(
             warnings.append(f"{path}: not found; using the built-in defaults")
         else:
             try:
-                atomic_write_text(path, text)
-                created = True
+                with _save_lock(path):
+                    # Another kvchat may have saved its settings there since the read.
+                    if not path.exists():
+                        atomic_write_text(path, text)
+                        created = True
             except OSError as exc:
                 warnings.append(f"{path}: could not create it ({exc}); using the built-in defaults")
     settings = settings_from_text(text, str(path), warnings)
@@ -128,6 +127,45 @@ def save_settings(settings: Settings, path: Path) -> None:
     """
     path = Path(path)
     validate_settings(settings, str(path))
+    with _save_lock(path):
+        _write_settings(settings, path)
+
+
+def save_changes(path: Path, old: Settings, new: Settings) -> None:
+    """Write the keys that differ between `old` and `new` into the file at `path`.
+
+    The file's other values stay as they are, so values this run took from `--set`
+    overrides (in `old` and `new` alike) are not written, and neither are another kvchat's
+    settings saved since this one loaded the file. Raises ConfigError when the file with
+    the changes breaks a rule; the file is then left untouched.
+    """
+    path = Path(path)
+    with _save_lock(path):
+        # create=False: this process holds the lock load_settings takes to create a file.
+        settings = load_settings(path, create=False).settings
+        for key in changed_keys(old, new):
+            section_name, name = key.split(".")
+            settings = replace_key(settings, key, getattr(getattr(new, section_name), name))
+        validate_settings(settings, str(path))
+        _write_settings(settings, path)
+
+
+@contextlib.contextmanager
+def _save_lock(path: Path) -> Iterator[None]:
+    """Hold the flock of the lock file beside `path` (waiting for another holder) while the
+    block reads, changes and writes the settings file: two kvchat processes saving at once
+    then never write a file that lacks the other's change. The kernel drops the lock when
+    the process ends, however it ends."""
+    private_folder(path.parent)
+    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing it releases the lock
+
+
+def _write_settings(settings: Settings, path: Path) -> None:
     text = None
     if path.is_file():
         with contextlib.suppress(UnicodeDecodeError):
@@ -135,33 +173,23 @@ def save_settings(settings: Settings, path: Path) -> None:
     atomic_write_text(path, text or settings_to_yaml(settings))
 
 
-def save_changes(path: Path, old: Settings, new: Settings) -> None:
-    """Write the keys that differ between `old` and `new` into the file at `path`.
-
-    The file's other values stay as they are, so values this run took from `--set`
-    overrides (in `old` and `new` alike) are not written. Raises ConfigError when the
-    file with the changes breaks a rule; the file is then left untouched.
-    """
-    settings = load_settings(path).settings
-    for key in changed_keys(old, new):
-        section_name, name = key.split(".")
-        settings = replace_key(settings, key, getattr(getattr(new, section_name), name))
-    save_settings(settings, path)
-
-
 def atomic_write_text(path: Path, text: str) -> None:
     """Replace `path` with `text` so a reader sees the old file or the new one, never a
-    mix, even after a crash: temp file in the same directory, fsync, os.replace."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    mix, even after a crash: temp file in the same directory, fsync, os.replace.
+
+    A new file is 0600 whatever the umask (settings and exports are the user's alone); a
+    file that exists keeps the mode the user gave it. Missing folders are made private.
+    """
+    private_folder(path.parent)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as f:
+            # mkstemp creates the file 0600, the mode a new file keeps.
+            if path.exists():
+                os.fchmod(f.fileno(), stat.S_IMODE(path.stat().st_mode))
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
-        # mkstemp creates 0600; keep the mode the user gave the file, else the usual 0644.
-        mode = stat.S_IMODE(path.stat().st_mode) if path.exists() else 0o644
-        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):

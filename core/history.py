@@ -19,6 +19,7 @@ from itertools import pairwise
 from pathlib import Path
 
 from kvchat.config import kvchat_home
+from kvchat.config.home import create_private_file, private_folder
 from kvchat.config.store import atomic_write_text
 
 DB_NAME = "conversations.sqlite3"
@@ -109,7 +110,8 @@ class SavedConversation:
 
 
 class History:
-    """The saved conversations in `path` (default $KVCHAT_HOME/conversations.sqlite3)."""
+    """The saved conversations in `path` (default $KVCHAT_HOME/conversations.sqlite3), a
+    file (and -wal, -shm files) only the user can read."""
 
     def __init__(self, path: Path | None = None) -> None:
         self.path = path or kvchat_home() / DB_NAME
@@ -121,7 +123,8 @@ class History:
         when it raises."""
         try:
             if not self._ready:
-                self.path.parent.mkdir(parents=True, exist_ok=True)
+                private_folder(self.path.parent)
+                create_private_file(self.path)
             db = sqlite3.connect(self.path, timeout=5.0)
             try:
                 db.execute("PRAGMA foreign_keys = ON")
@@ -254,7 +257,7 @@ def to_markdown(conversation: SavedConversation) -> str:
 def export_markdown(conversation: SavedConversation, target: Path | None = None) -> Path:
     """Write the conversation as Markdown to `target`, a file or a folder (default
     $KVCHAT_HOME/exports/); in a folder the file is named from its date and title.
-    Returns the path written."""
+    Returns the path written; a new file is readable by the user alone, wherever it is."""
     if target is None or target.is_dir():
         path = (target or kvchat_home() / "exports") / export_name(conversation)
     else:

@@ -480,10 +480,14 @@ def _read_gguf(path: Path) -> _TokenizerParts:
 
 
 def _write_atomically(path: Path, text: str) -> None:
-    """Best effort: a cache that cannot be written only costs the next load a few seconds."""
+    """Best effort: a cache that cannot be written only costs the next load a few seconds.
+    The folders made are 0700 and the file 0600 (NamedTemporaryFile's mode): the cache
+    names the models the user runs."""
+    from kvchat.config.home import private_folder
+
     tmp: str | None = None
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_folder(path.parent)
         with tempfile.NamedTemporaryFile(
             "w", encoding="utf-8", dir=path.parent, suffix=".tmp", delete=False
         ) as f:

@@ -20,7 +20,7 @@ def test_first_run_creates_the_file_from_the_packaged_default(home):
     assert loaded.path.read_text(encoding="utf-8") == default_yaml()
     assert loaded.settings == Settings()
     assert loaded.warnings == []
-    assert sorted(p.name for p in home.iterdir()) == ["config.yaml"]
+    assert sorted(p.name for p in home.iterdir()) == [".config.yaml.lock", "config.yaml"]
 
     again = load_settings()
     assert (again.created, again.settings) == (False, Settings())

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 import os
 import stat
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -37,7 +40,7 @@ def test_save_to_a_new_path_renders_the_commented_file(tmp_path):
     save_settings(settings, path)
     assert path.read_text(encoding="utf-8") == settings_to_yaml(settings)
     assert load_settings(path).settings == settings
-    assert os.listdir(path.parent) == ["config.yaml"]
+    assert sorted(os.listdir(path.parent)) == [".config.yaml.lock", "config.yaml"]
 
 
 def test_user_comments_and_unknown_keys_survive_a_save(home):
@@ -129,7 +132,7 @@ def test_invalid_settings_are_refused_and_the_file_is_untouched(home):
     with pytest.raises(ConfigError, match=r"model\.path = .*: expected a string"):
         save_settings(bad, path)
     assert path.read_bytes() == before
-    assert os.listdir(home) == ["config.yaml"]
+    assert sorted(os.listdir(home)) == [".config.yaml.lock", "config.yaml"]
 
 
 def test_a_failed_replace_leaves_no_temp_file_and_the_target_untouched(tmp_path):
@@ -140,7 +143,7 @@ def test_a_failed_replace_leaves_no_temp_file_and_the_target_untouched(tmp_path)
     (target / "keep").write_text("mine", encoding="utf-8")
     with pytest.raises(OSError):
         save_settings(Settings(), target)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["config.yaml"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".config.yaml.lock", "config.yaml"]
     assert (target / "keep").read_text(encoding="utf-8") == "mine"
 
 
@@ -155,7 +158,7 @@ def test_a_read_only_directory_leaves_the_original_untouched(home):
     finally:
         home.chmod(0o700)
     assert path.read_bytes() == before
-    assert os.listdir(home) == ["config.yaml"]
+    assert sorted(os.listdir(home)) == [".config.yaml.lock", "config.yaml"]
 
 
 @pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
@@ -211,3 +214,51 @@ def test_save_changes_refuses_a_file_the_change_breaks(home):
     with pytest.raises(ConfigError, match=r"chunk_size = 4096: expected at most .*\(2048\)"):
         save_changes(path, old, new)
     assert path.read_bytes() == before
+
+
+# A kvchat process that saves one setting `rounds` times, as the settings screen does: it loads
+# the file, changes its key and saves the change. The key holds the value it saved last
+# unless a save by the other process lost it.
+SAVER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from kvchat.config import load_settings, replace_key, save_changes
+    path, key, rounds = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    section, name = key.split(".")
+    print("ready", flush=True)
+    sys.stdin.readline()
+    for value in range(1, rounds + 1):
+        old = load_settings(path).settings
+        found = getattr(getattr(old, section), name)
+        if found != value - 1:
+            sys.exit(f"{key} is {found} in the file after this process saved {value - 1}")
+        save_changes(path, old, replace_key(old, key, value))
+    """
+)
+
+
+def test_two_processes_saving_at_once_keep_both_changes(home):
+    rounds = 100
+    path = load_settings().path
+    keys = ["generation.seed", "generation.top_k"]
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", SAVER, str(path), key, str(rounds)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for key in keys
+    ]
+    for child in children:
+        assert child.stdout is not None and child.stdout.readline() == "ready\n"
+    for child in children:  # both start saving together
+        assert child.stdin is not None
+        child.stdin.write("go\n")
+        child.stdin.flush()
+    errors = [child.communicate(timeout=120)[1].strip() for child in children]
+    assert errors == ["", ""]
+    saved = load_settings().settings.generation
+    assert (saved.seed, saved.top_k) == (rounds, rounds)
