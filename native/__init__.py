@@ -9,7 +9,9 @@ caller keeps a torch path and the warning says what that costs.
 
 A build holds an flock on its folder: the kernel drops it when the process ends, however it
 ends, so a build killed halfway never blocks the next one (torch's own lock file, which a
-killed build leaves behind, is removed by whoever holds the flock).
+killed build leaves behind, is removed by whoever holds the flock). A folder of another user,
+or one that others may write to, is refused: torch loads whatever module it finds there, so a
+module planted by someone else would run as this user.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import sys
 import threading
 import time
@@ -96,7 +99,8 @@ def build_extension(
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
     build_dir = Path(root) / name
     try:
-        build_dir.mkdir(parents=True, exist_ok=True)
+        # 0755 even under a umask of 0, whose 0777 folder build_lock would refuse.
+        build_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
         with build_lock(build_dir), _watch(build_dir, purpose, len(sources)):
             return cpp_extension.load(
                 name=name,
@@ -108,9 +112,7 @@ def build_extension(
             )
     except (OSError, RuntimeError, ImportError) as err:
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
-        log.warning(
-            "the C++ kernels for %s could not be built (%s); %s", purpose, reason, fallback
-        )
+        log.warning("the C++ kernels for %s could not be built (%s); %s", purpose, reason, fallback)
         return None
 
 
@@ -130,7 +132,9 @@ def build_name(prefix: str, sources: Sequence[Path]) -> str:
 @contextmanager
 def build_lock(build_dir: Path) -> Iterator[None]:
     """Hold the build folder's flock (waiting for a live builder to finish); then torch's own
-    lock file, if there is one, is a dead build's and is removed."""
+    lock file, if there is one, is a dead build's and is removed. Raises PermissionError for
+    a folder this user may not trust (see _check_build_dir)."""
+    _check_build_dir(build_dir)
     with open(build_dir / "kvchat.lock", "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -141,6 +145,21 @@ def build_lock(build_dir: Path) -> Iterator[None]:
             yield
         finally:
             fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _check_build_dir(build_dir: Path) -> None:
+    """Raise PermissionError, in one line naming the folder, unless this user owns
+    `build_dir` and no one else may write to it."""
+    info = build_dir.stat()
+    if info.st_uid != os.getuid():
+        raise PermissionError(
+            f"{build_dir} belongs to another user (uid {info.st_uid}); not building in it"
+        )
+    if info.st_mode & 0o022:
+        raise PermissionError(
+            f"{build_dir} is writable by other users (mode {stat.S_IMODE(info.st_mode):o});"
+            " not building in it"
+        )
 
 
 @contextmanager

@@ -1,9 +1,11 @@
 """Kernel builds: named for their sources and CPU level, reported while they run, never
-blocked by a build that was killed, and a failed build says what falls back."""
+blocked by a build that was killed, never in a folder another user could write to, and a
+failed build says what falls back."""
 
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import textwrap
@@ -126,11 +128,17 @@ def test_a_failed_build_says_what_falls_back(tmp_path, monkeypatch, caplog):
         # AMD EPYC Zen 3
         ("fma avx2 f16c bmi2 sse4_2", "x86_64", CpuLevel.AVX2),
         # AMD EPYC Zen 4
-        ("avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni", "x86_64",
-         CpuLevel.AVX512_BF16),
+        (
+            "avx2 fma f16c avx512f avx512bw avx512vl avx512dq avx512_bf16 avx512_vnni",
+            "x86_64",
+            CpuLevel.AVX512_BF16,
+        ),
         # Intel Xeon with AMX
-        ("avx2 fma f16c avx512f avx512bw avx512vl avx512dq amx_bf16 avx512_vnni", "x86_64",
-         CpuLevel.AVX512_BF16),
+        (
+            "avx2 fma f16c avx512f avx512bw avx512vl avx512dq amx_bf16 avx512_vnni",
+            "x86_64",
+            CpuLevel.AVX512_BF16,
+        ),
         # Intel Skylake-SP
         ("avx2 fma f16c avx512f avx512bw avx512vl avx512dq", "x86_64", CpuLevel.AVX512),
         ("sse4_2 avx", "x86_64", CpuLevel.BASELINE),
@@ -155,3 +163,52 @@ def test_a_level_above_the_cpu_is_refused(at_level):
         pytest.skip("this CPU runs the highest level")
     with at_level(above[0].value), pytest.raises(CpuLevelError, match="above what this"):
         cpu_level()
+
+
+def test_a_build_folder_others_may_write_to_is_refused(twice_source, caplog):
+    build_dir = twice_source.parent / "builds" / build_name("kvchat_test", [twice_source])
+    build_dir.mkdir(parents=True)
+    build_dir.chmod(0o777)  # anyone could plant a module there for this user to load
+    with pytest.raises(PermissionError, match=f"{build_dir} is writable by other users"):
+        with build_lock(build_dir):
+            pass
+    with caplog.at_level(logging.WARNING, logger="kvchat.native"):
+        assert build_extension("kvchat_test", [twice_source], "doubling", "torch doubles") is None
+    (warning,) = caplog.messages
+    assert f"{build_dir} is writable by other users (mode 777)" in warning
+    assert warning.endswith("; torch doubles")
+    assert list(build_dir.iterdir()) == []  # refused before anything is written there
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="only root gives a folder to another user")
+def test_a_build_folder_of_another_user_is_refused(tmp_path):
+    os.chown(tmp_path, 65534, 65534)
+    with pytest.raises(PermissionError, match=f"{tmp_path} belongs to another user"):
+        with build_lock(tmp_path):
+            pass
+
+
+# A child that builds the one-function extension and prints what it computes.
+BUILDER = textwrap.dedent(
+    """
+    import sys
+    from pathlib import Path
+    from kvchat.native import build_extension
+    module = build_extension("kvchat_test", [Path(sys.argv[1])], "doubling", "none")
+    print(module.twice(21) if module is not None else "no module", flush=True)
+    """
+)
+
+
+def test_two_processes_building_at_once_both_load_the_module(twice_source):
+    children = [
+        subprocess.Popen(
+            [sys.executable, "-c", BUILDER, str(twice_source)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    results = [child.communicate(timeout=300) for child in children]
+    assert [out.strip() for out, _ in results] == ["42", "42"], [err for _, err in results]
