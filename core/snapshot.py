@@ -11,24 +11,30 @@ File format (version 1), little-endian, one file per snapshot, named `<id>.kvsna
     offset 0   8 bytes   magic b"KVCHATSS"
            8   u32       format version (1)
           12   u32       CRC-32 of the header bytes
-          16   u64       header length H
+          16   u64       header length H (at most 64 MiB)
           24   H bytes   header: UTF-8 JSON
      then the sections, each at a multiple of 64 bytes, zero bytes between them
 
-The header holds: format, created (UTC), model {id, name}, settings (`cache_settings`),
-tokens (count), tokens_sha256 (of the ids as int32), prefill_tok_s (the speed of the prefill
-the snapshot replaces, for estimates), scalars (the cache's positions and counts), sections
-(name, dtype, shape, offset, nbytes, crc32 as 8 hex digits) and file_size. The sections are
-`tokens` (int32), `logits` (float32, after the last token) and `cache.<layer>.<part>`, one
-per tensor the backend exports (kv/state.py), each raw little-endian bytes in C order.
+The header holds: format, cache_algorithm (`CACHE_ALGORITHM_VERSION`), created (UTC), model
+{id, name}, settings (`cache_settings`), tokens (count), tokens_sha256 (of the ids as int32),
+prefill_tok_s (the speed of the prefill the snapshot replaces, for estimates), scalars (the
+cache's positions and counts; `length`, when there, is the token count), sections (name,
+dtype, shape, offset, nbytes, crc32 as 8 hex digits) and file_size. The sections are `tokens`
+(int32, one per token), `logits` (float32, one row: after the last token) and
+`cache.<layer>.<part>`, one per tensor the backend exports (kv/state.py), each raw
+little-endian bytes in C order. A header is checked field by field before anything in it is
+used, so a damaged or hostile file is refused, never trusted.
 Sections are aligned so a loader maps the file and views each section in place (no second
 copy in memory), and checksums are CRC-32 because zlib's runs at several GB/s, a small cost
 next to the prefill a snapshot replaces.
 
 A snapshot is written to a temporary file in the same folder, fsynced and renamed, so a crash
-never leaves a partial file under a snapshot's name. A file that fails a check is never used:
-a damaged one (bad header, truncated, bad checksum) is deleted, one from another model or
-other settings is kept for them; both are reported as warnings and the caller prefills.
+never leaves a partial file under a snapshot's name. Snapshots hold the text of documents, so
+the folder is mode 0700 and every file in it 0600, whatever the umask. A file that fails a
+check is never used: a damaged one (bad header, truncated, bad checksum) is deleted; one from
+another model, other settings or another kvchat version is kept for them; one that cannot be
+read (permissions, I/O error) is skipped and kept; all are reported as warnings and the caller
+prefills. A file that cannot be deleted (a read-only folder) is reported, never raised.
 """
 
 from __future__ import annotations
@@ -37,7 +43,8 @@ import contextlib
 import functools
 import hashlib
 import json
-import mmap
+import logging
+import math
 import os
 import shutil
 import struct
@@ -53,18 +60,27 @@ import numpy as np
 import torch
 
 from kvchat.config import LongContextSettings, kvchat_home
+from kvchat.config.home import private_folder
 from kvchat.kv.sparse import RETUNABLE
 from kvchat.kv.state import CacheState
 
+from .gguf_header import read_gguf_header
 from .model_config import ModelConfig
 
 FORMAT_VERSION = 1
+# What a prefill leaves in a cache and how a backend exports it (kv/sparse.py, kv/dense.py,
+# kv/state.py); bump it whenever either changes. A snapshot of another version has another
+# key and is never loaded into this version's cache.
+CACHE_ALGORITHM_VERSION = 1
 MAGIC = b"KVCHATSS"
 SUFFIX = ".kvsnap"
 ALIGN = 64
 _PREAMBLE = struct.Struct("<8sIIQ")  # magic, version, header CRC-32, header length
 _CHUNK = 64 << 20  # bytes per write / checksum call: bounded temporaries, progress between
 _STALE_TEMP_S = 600  # a temp file untouched this long belongs to a writer that died
+_MAX_HEADER = 64 << 20  # a longer header is damage, refused before it is read
+_MAX_DEPTH = 16  # nesting of the header's JSON; the format's own is 4
+_MAX_DIMS = 8  # dimensions of a section's shape
 _DTYPES = {
     str(t).removeprefix("torch."): t
     for t in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -73,6 +89,20 @@ _DTYPES = {
 # Capacity and threads do not change what a prefill computes, and a built cache takes new
 # RETUNABLE values at any time (Engine.apply_settings), so a snapshot does not pin them.
 _NOT_SHAPING = ("max_seq_len", "threads_num", *RETUNABLE)
+_HEADER_TYPES = {
+    "format": int,
+    "cache_algorithm": int,
+    "created": str,
+    "model": dict,
+    "settings": dict,
+    "tokens": int,
+    "tokens_sha256": str,
+    "scalars": dict,
+    "sections": list,
+    "file_size": int,
+}
+
+log = logging.getLogger(__name__)
 
 
 class SnapshotError(ValueError):
@@ -138,7 +168,7 @@ def model_identity(source: Path) -> str:
 @functools.lru_cache(maxsize=8)
 def _gguf_identity(path: str, size: int, mtime_ns: int) -> str:
     # Keyed on size and mtime too, so a file replaced in place is hashed again.
-    end = _gguf_header_end(Path(path))
+    end = read_gguf_header(Path(path)).end
     return hashlib.sha256(b"gguf\0" + _weights_file_digest(Path(path), end)).hexdigest()
 
 
@@ -160,43 +190,6 @@ def _safetensors_header_end(path: Path) -> int:
     with path.open("rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
     return 8 + length
-
-
-_GGUF_SCALAR_SIZES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def _gguf_header_end(path: Path) -> int:
-    """Offset just past a GGUF file's key/values and tensor infos (version 2 and 3 layout)."""
-    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        magic, version, n_tensors, n_kv = struct.unpack_from("<4sIQQ", buf, 0)
-        if magic != b"GGUF" or version < 2:
-            raise SnapshotError(f"{path}: not a GGUF file of version 2 or later")
-
-        def skip_value(pos: int, kind: int) -> int:
-            if kind in _GGUF_SCALAR_SIZES:
-                return pos + _GGUF_SCALAR_SIZES[kind]
-            if kind == _GGUF_STRING:
-                return pos + 8 + struct.unpack_from("<Q", buf, pos)[0]
-            if kind == _GGUF_ARRAY:
-                item, count = struct.unpack_from("<IQ", buf, pos)
-                pos += 12
-                if item in _GGUF_SCALAR_SIZES:
-                    return pos + count * _GGUF_SCALAR_SIZES[item]
-                for _ in range(count):
-                    pos = skip_value(pos, item)
-                return pos
-            raise SnapshotError(f"{path}: unknown GGUF value type {kind}")
-
-        pos = 24
-        for _ in range(n_kv):
-            pos = skip_value(pos, _GGUF_STRING)
-            pos = skip_value(pos + 4, struct.unpack_from("<I", buf, pos)[0])
-        for _ in range(n_tensors):
-            pos = skip_value(pos, _GGUF_STRING)
-            n_dims = struct.unpack_from("<I", buf, pos)[0]
-            pos += 4 + 8 * n_dims + 4 + 8  # dims, type, data offset
-        return pos
 
 
 # -- what callers see -------------------------------------------------------------------------
@@ -296,9 +289,7 @@ class SnapshotStore:
     # listing and removal
     def entries(self) -> list[SnapshotInfo]:
         """Every snapshot file, most recently used first; unreadable ones say why."""
-        if not self.directory.is_dir():
-            return []
-        found = [self._read_info(p) for p in self.directory.glob(f"*{SUFFIX}")]
+        found = [self._read_info(p) for p in _listing(self.directory, f"*{SUFFIX}")]
         return sorted(found, key=lambda info: info.last_used, reverse=True)
 
     def remove(self, prefix: str) -> SnapshotInfo:
@@ -310,16 +301,17 @@ class SnapshotStore:
                 f"{what} with an id starting with {prefix!r} in {self.directory} "
                 "(see `kvchat cache list`)"
             )
-        matches[0].path.unlink(missing_ok=True)
+        error = _delete(matches[0].path)
+        if error is not None:
+            raise SnapshotError(f"cannot delete snapshot {matches[0].id}: {error}")
         return matches[0]
 
     def clear(self) -> list[SnapshotInfo]:
-        """Delete every snapshot, and temporary files that writers left behind."""
-        removed = self.entries()
-        for info in removed:
-            info.path.unlink(missing_ok=True)
+        """Delete every snapshot, and temporary files that writers left behind; returns the
+        snapshots deleted (one that cannot be is logged and kept)."""
+        removed = [info for info in self.entries() if _delete(info.path) is None]
         for tmp in self._temp_files():
-            tmp.unlink(missing_ok=True)
+            _delete(tmp)
         return removed
 
     def total_bytes(self) -> int:
@@ -357,6 +349,7 @@ class SnapshotStore:
         ]
         header = {
             "format": FORMAT_VERSION,
+            "cache_algorithm": CACHE_ALGORITHM_VERSION,
             "created": datetime.now(UTC).isoformat(timespec="seconds"),
             "model": {"id": model_id, "name": model_name},
             "settings": settings,
@@ -372,7 +365,7 @@ class SnapshotStore:
                 f"the snapshot would take {format_size(size)}, more than "
                 f"cache.snapshot_max_gib ({format_size(self.max_bytes)})"
             )
-        self.directory.mkdir(parents=True, exist_ok=True)
+        private_folder(self.directory)
         self._make_room(size)
         free = shutil.disk_usage(self.directory).free
         if size > free:
@@ -388,17 +381,16 @@ class SnapshotStore:
         total = sum(info.size_bytes for info in entries)
         while entries and total + incoming > self.max_bytes:
             victim = entries.pop()
-            victim.path.unlink(missing_ok=True)
-            total -= victim.size_bytes
+            if _delete(victim.path) is None:
+                total -= victim.size_bytes
         now = time.time()
         for tmp in self._temp_files():
             with contextlib.suppress(OSError):
                 if now - tmp.stat().st_mtime > _STALE_TEMP_S:
                     tmp.unlink()
 
-    def _temp_files(self) -> Iterator[Path]:
-        if self.directory.is_dir():
-            yield from self.directory.glob(f".*{SUFFIX}.*.tmp")
+    def _temp_files(self) -> list[Path]:
+        return _listing(self.directory, f".*{SUFFIX}.*.tmp")
 
     # lookup and loading
     def find(
@@ -410,7 +402,7 @@ class SnapshotStore:
     ) -> Lookup:
         """The longest valid snapshot whose tokens start `ids` and hold more than
         `longer_than` tokens, verified and mapped; warnings for every snapshot of these tokens
-        that cannot be used (the damaged ones are deleted)."""
+        that cannot be used (the damaged ones are deleted, unreadable ones kept)."""
         warnings: list[str] = []
         digests: dict[int, str] = {}
         usable: list[SnapshotInfo] = []
@@ -446,6 +438,9 @@ class SnapshotStore:
             except _Damaged as e:
                 warnings.append(_discard(info, str(e)))
                 continue
+            except OSError as e:  # the file may be good: kept for when it can be read
+                warnings.append(f"snapshot {info.id} cannot be read ({e}); skipped")
+                continue
             if loaded.tokens != list(ids[: info.tokens]):
                 warnings.append(_discard(info, "its token ids differ from its header's digest"))
                 continue
@@ -465,23 +460,45 @@ class SnapshotStore:
             header = _read_header(path)
         except _Damaged as e:
             return replace(base, problem=str(e), damaged=not isinstance(e, _OtherFormat))
-        model = header.get("model") or {}
+        except OSError as e:  # the file may be good: kept for when it can be read
+            log.warning("snapshot %s cannot be read (%s); skipped", snap_id, e)
+            return replace(base, problem=f"cannot be read ({e})")
         return replace(
             base,
-            tokens=int(header.get("tokens", 0)),
-            model_id=str(model.get("id", "")),
-            model_name=str(model.get("name", "")),
-            settings=dict(header.get("settings") or {}),
+            tokens=header["tokens"],
+            model_id=header["model"]["id"],
+            model_name=header["model"]["name"],
+            settings=header["settings"],
             prefill_tok_s=header.get("prefill_tok_s"),
-            created=str(header.get("created", "")),
+            created=header["created"],
             header=header,
         )
 
 
+def _listing(directory: Path, pattern: str) -> list[Path]:
+    """The files in `directory` matching `pattern`; none when the folder cannot be read."""
+    try:
+        return list(directory.glob(pattern)) if directory.is_dir() else []
+    except OSError as e:
+        log.warning("cannot list %s (%s)", directory, e)
+        return []
+
+
+def _delete(path: Path) -> str | None:
+    """Delete a file; None when it is gone, else why it cannot be (a read-only folder)."""
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as e:
+        log.warning("cannot delete %s (%s)", path, e)
+        return str(e)
+    return None
+
+
 def _discard(info: SnapshotInfo, why: str) -> str:
     """Delete a damaged snapshot (it can never be used) and say so."""
-    info.path.unlink(missing_ok=True)
-    return f"snapshot {info.id} is damaged ({why}); deleted it"
+    error = _delete(info.path)
+    done = "deleted it" if error is None else f"cannot delete it ({error})"
+    return f"snapshot {info.id} is damaged ({why}); {done}"
 
 
 def _differences(saved: dict[str, object], now: dict[str, object]) -> str:
@@ -496,7 +513,9 @@ def _show(value: object) -> str:
 
 
 def _snapshot_id(model_id: str, settings: dict[str, object], token_hash: str) -> str:
-    key = json.dumps([model_id, settings, token_hash], sort_keys=True).encode()
+    # The versions are part of the key: a snapshot of another layout is never the same file.
+    versions = [FORMAT_VERSION, CACHE_ALGORITHM_VERSION]
+    key = json.dumps([*versions, model_id, settings, token_hash], sort_keys=True).encode()
     return hashlib.sha256(key).hexdigest()[:16]
 
 
@@ -545,6 +564,7 @@ def _write_atomically(path: Path, header: dict, sections: list[tuple[str, torch.
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)  # the owner's alone, whatever the umask
             f.seek(header["sections"][0]["offset"])
             for entry, (_, tensor) in zip(header["sections"], sections, strict=True):
                 f.write(b"\0" * (entry["offset"] - f.tell()))
@@ -561,7 +581,6 @@ def _write_atomically(path: Path, header: dict, sections: list[tuple[str, torch.
             f.write(encoded)
             f.flush()
             os.fsync(f.fileno())
-        os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
@@ -593,52 +612,125 @@ def _byte_pieces(t: torch.Tensor) -> Iterator[np.ndarray]:
 
 
 def _read_header(path: Path) -> dict:
-    try:
-        with path.open("rb") as f:
-            preamble = f.read(_PREAMBLE.size)
-            if len(preamble) < _PREAMBLE.size:
-                raise _Damaged(f"truncated: {len(preamble)} bytes")
-            magic, version, crc, length = _PREAMBLE.unpack(preamble)
-            if magic != MAGIC:
-                raise _Damaged("not a kvchat snapshot (bad magic)")
-            if version != FORMAT_VERSION:
-                raise _OtherFormat(
-                    f"format {version} (another kvchat version; this one reads {FORMAT_VERSION})"
-                )
-            size = os.fstat(f.fileno()).st_size
-            if _PREAMBLE.size + length > size:
-                raise _Damaged(f"truncated: {size} bytes, the header alone needs more")
-            encoded = f.read(length)
-    except OSError as e:
-        raise _Damaged(f"cannot be read: {e}") from e
+    """The checked header of the file at `path`. Raises _Damaged for a file that is not a whole,
+    valid snapshot, _OtherFormat for another version's, OSError when it cannot be read."""
+    with path.open("rb") as f:
+        preamble = f.read(_PREAMBLE.size)
+        if len(preamble) < _PREAMBLE.size:
+            raise _Damaged(f"truncated: {len(preamble)} bytes")
+        magic, version, crc, length = _PREAMBLE.unpack(preamble)
+        if magic != MAGIC:
+            raise _Damaged("not a kvchat snapshot (bad magic)")
+        if version != FORMAT_VERSION:
+            raise _OtherFormat(
+                f"format {version} (another kvchat version; this one reads {FORMAT_VERSION})"
+            )
+        if length > _MAX_HEADER:
+            raise _Damaged(f"a header of {length:,} bytes, more than {_MAX_HEADER:,}")
+        size = os.fstat(f.fileno()).st_size
+        if _PREAMBLE.size + length > size:
+            raise _Damaged(f"truncated: {size} bytes, the header alone needs more")
+        encoded = f.read(length)
     if zlib.crc32(encoded) != crc:
         raise _Damaged("the header fails its checksum")
     try:
-        header = json.loads(encoded)
-    except ValueError as e:
+        header = _parse_header(encoded)
+    except (ValueError, TypeError, KeyError, RecursionError) as e:
         raise _Damaged(f"unreadable header: {e}") from e
-    if not isinstance(header, dict) or not isinstance(header.get("sections"), list):
-        raise _Damaged("unreadable header: no section table")
-    expected = header.get("file_size")
-    if not isinstance(expected, int):
-        raise _Damaged("unreadable header: no file size")
+    expected = header["file_size"]
     if expected != size:
         what = "truncated" if size < expected else "wrong size"
         raise _Damaged(f"{what}: {size:,} bytes, the header says {expected:,}")
     return header
 
 
+def _parse_header(encoded: bytes) -> dict:
+    """The header JSON, every field checked for type and range, so nothing downstream meets a
+    value it does not expect. Raises ValueError for a bad one, _OtherFormat for a header of
+    another cache algorithm."""
+    header = json.loads(encoded)
+    if not isinstance(header, dict):
+        raise ValueError("not a JSON object")
+    algorithm = header.get("cache_algorithm")
+    if algorithm != CACHE_ALGORITHM_VERSION:
+        shown = algorithm if type(algorithm) is int else "unknown"
+        raise _OtherFormat(
+            f"cache algorithm {shown} (another kvchat version; this one uses "
+            f"{CACHE_ALGORITHM_VERSION})"
+        )
+    if not _shallow(header, _MAX_DEPTH):
+        raise ValueError(f"nested deeper than {_MAX_DEPTH}")
+    for key, kind in _HEADER_TYPES.items():
+        if type(header.get(key)) is not kind:  # `type`, as bool is an int
+            raise ValueError(f"{key} is not a {kind.__name__}")
+    tokens, file_size, scalars = header["tokens"], header["file_size"], header["scalars"]
+    if not (_count(tokens) and _count(file_size) and all(map(_count, scalars.values()))):
+        raise ValueError("a negative count")
+    if scalars.get("length", tokens) != tokens:
+        raise ValueError(f"{tokens} tokens in a cache of length {scalars['length']}")
+    if not all(type(header["model"].get(k)) is str for k in ("id", "name")):
+        raise ValueError("no model id and name")
+    rate = header.get("prefill_tok_s")
+    if rate is not None and not (type(rate) in (int, float) and 0 < rate < math.inf):
+        raise ValueError("prefill_tok_s is not a speed")
+    table = {}
+    end = _PREAMBLE.size + len(encoded)
+    for i, entry in enumerate(header["sections"]):
+        entry = entry if type(entry) is dict else {}
+        name, dtype, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
+        offset, nbytes = entry.get("offset"), entry.get("nbytes")
+        if not (
+            type(name) is str
+            and name not in table
+            and type(dtype) is str
+            and dtype in _DTYPES
+            and type(shape) is list
+            and len(shape) <= _MAX_DIMS
+            and all(map(_count, shape))
+            and _count(offset)
+            and _count(nbytes)
+            and type(entry.get("crc32")) is str
+        ):
+            raise ValueError(f"section {i}: bad table entry")
+        if offset % ALIGN or offset < end or offset + nbytes > file_size:
+            raise ValueError(f"section {name}: {nbytes} bytes at {offset} are not in the file")
+        if math.prod(shape) * _DTYPES[dtype].itemsize != nbytes:
+            raise ValueError(f"section {name}: shape {shape} does not match {nbytes} bytes")
+        table[name] = (dtype, shape)
+    if table.get("tokens") != ("int32", [tokens]):
+        raise ValueError(f"no tokens section of {tokens} tokens")
+    logits = table.get("logits")
+    if logits is None or logits[0] != "float32" or len(logits[1]) != 1 or not logits[1][0]:
+        raise ValueError("no logits section of one row")
+    return header
+
+
+def _count(value: object) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _shallow(value: object, depth: int) -> bool:
+    """Whether `value` nests lists and objects at most `depth` deep (the recursion is bounded
+    by `depth`, so a hostile header cannot exhaust the stack here or later)."""
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        return depth > 0 and all(_shallow(v, depth - 1) for v in value)
+    return True
+
+
 def _load(info: SnapshotInfo) -> LoadedSnapshot:
     """Map the file, check every section's checksum, and view the sections as tensors."""
     header = _read_header(info.path)
     size = header["file_size"]
-    raw = torch.from_file(str(info.path), shared=False, size=size, dtype=torch.uint8)
+    try:
+        raw = torch.from_file(str(info.path), shared=False, size=size, dtype=torch.uint8)
+    except RuntimeError as e:  # torch reports a file it cannot open or map this way
+        raise OSError(str(e)) from e
     tensors: dict[str, torch.Tensor] = {}
-    for entry in header["sections"]:
-        name, dtype = entry["name"], _DTYPES.get(entry["dtype"])
+    for entry in header["sections"]:  # every entry checked by _parse_header
+        name, dtype = entry["name"], _DTYPES[entry["dtype"]]
         offset, nbytes = entry["offset"], entry["nbytes"]
-        if dtype is None or offset % ALIGN or offset + nbytes > size:
-            raise _Damaged(f"section {name}: bad table entry")
         data = raw[offset : offset + nbytes]
         crc = 0
         array = data.numpy()
@@ -646,15 +738,7 @@ def _load(info: SnapshotInfo) -> LoadedSnapshot:
             crc = zlib.crc32(array[start : start + _CHUNK], crc)
         if f"{crc:08x}" != entry["crc32"]:
             raise _Damaged(f"section {name} fails its checksum")
-        shape = entry["shape"]
-        if int(np.prod(shape)) * dtype.itemsize != nbytes:
-            raise _Damaged(f"section {name}: shape {shape} does not match {nbytes} bytes")
-        tensors[name] = data.view(dtype).view(shape)
-    tokens, logits = tensors.pop("tokens", None), tensors.pop("logits", None)
-    if tokens is None or logits is None or len(tokens) != info.tokens:
-        raise _Damaged("no token or logit section")
-    scalars = header.get("scalars")
-    if not isinstance(scalars, dict):
-        raise _Damaged("no cache scalars")
+        tensors[name] = data.view(dtype).view(entry["shape"])
+    tokens, logits = tensors.pop("tokens"), tensors.pop("logits")
     cache = {name.removeprefix("cache."): t for name, t in tensors.items()}
-    return LoadedSnapshot(info, tokens.tolist(), logits, CacheState(dict(scalars), cache))
+    return LoadedSnapshot(info, tokens.tolist(), logits, CacheState(dict(header["scalars"]), cache))

@@ -17,11 +17,11 @@ import pytest
 import torch
 
 from kvchat.core.engine import Engine
+from kvchat.core.gguf_header import read_gguf_header
 from kvchat.core.snapshot import (
     SUFFIX,
     SnapshotError,
     SnapshotStore,
-    _gguf_header_end,
     model_identity,
     snapshot_dir,
 )
@@ -250,7 +250,7 @@ def test_model_identity_reads_metadata_tensor_table_and_weight_samples(smollm_pa
     assert model_identity(copy) == ours  # the content, not the path
     assert model_identity(_renamed_copy(smollm_path, tmp_path / "renamed.gguf")) != ours
     sampled = bytearray(copy.read_bytes())
-    end = _gguf_header_end(copy)
+    end = read_gguf_header(copy).end
     sampled[end + (len(sampled) - end) * 5 // 16 + 7] ^= 1  # inside the fifth weight sample
     (tmp_path / "tuned.gguf").write_bytes(bytes(sampled))
     assert model_identity(tmp_path / "tuned.gguf") != ours
@@ -265,8 +265,8 @@ def test_model_identity_reads_metadata_tensor_table_and_weight_samples(smollm_pa
     assert model_identity(folder) != hf
 
 
-def _tiny_state(value: float, n: int = 64 * 1024) -> CacheState:
-    return CacheState({"length": 1}, {"x": torch.full((n,), value)})
+def _tiny_state(value: float, length: int = 1, n: int = 64 * 1024) -> CacheState:
+    return CacheState({"length": length}, {"x": torch.full((n,), value)})
 
 
 def test_lookup_takes_the_longest_prefix_and_eviction_the_least_recently_used(tmp_path):
@@ -275,7 +275,7 @@ def test_lookup_takes_the_longest_prefix_and_eviction_the_least_recently_used(tm
     )
     store = SnapshotStore(tmp_path / "snaps", int(2.5 * size.size_bytes))
     short = store.save(_tiny_state(1.0), [1], torch.zeros(4), "m", "m", {})
-    longer = store.save(_tiny_state(2.0), [1, 2], torch.zeros(4), "m", "m", {})
+    longer = store.save(_tiny_state(2.0, 2), [1, 2], torch.zeros(4), "m", "m", {})
     found = store.find([1, 2, 3], "m", {})
     assert found.snapshot is not None and found.snapshot.info.id == longer.id
     assert found.snapshot.tokens == [1, 2]
@@ -333,7 +333,9 @@ def test_cache_command_lists_removes_and_clears(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("KVCHAT_HOME", str(tmp_path))
     store = SnapshotStore(snapshot_dir(), 1 << 30)
     settings = {"attention": "sparse", "kv_type": "INT8"}
-    first = store.save(_tiny_state(1.0), list(range(1200)), torch.zeros(4), "m", "Tiny", settings)
+    first = store.save(
+        _tiny_state(1.0, 1200), list(range(1200)), torch.zeros(4), "m", "Tiny", settings
+    )
     store.save(_tiny_state(2.0), [5], torch.zeros(4), "m", "Tiny", settings)
 
     assert main(["cache", "list"]) == 0
