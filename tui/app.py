@@ -3,15 +3,17 @@
 All engine work (model load, tokenizing, prefill, generation) runs in one exclusive worker
 thread; it reports through messages (see messages.py, bridge.py) and the live panels poll
 `engine.stats()` on a timer. The UI thread only ever touches the engine for cheap reads and
-for swapping or editing a Conversation object while no worker runs. Finished messages are
-saved to SQLite (core/history.py) from the UI thread: one small write each, never per token.
+for swapping or editing a Conversation object while no worker runs. A question is saved to
+SQLite (core/history.py) from the UI thread once its step has ended, with its answer, in one
+place (`record_turn`) that follows what the engine's conversation kept: one small write per
+message, never per token.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,6 +22,7 @@ from textual.app import App, ComposeResult, SystemCommand
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.css.query import NoMatches
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.widgets import Footer
 
@@ -56,7 +59,7 @@ from .messages import (
 from .screens.load_file import LoadFileScreen
 from .screens.sessions import SessionsScreen
 from .screens.settings import RebuildScreen, SettingsScreen, prompt_clashes
-from .widgets.chat import ChatPane, Reply
+from .widgets.chat import ChatPane, Question, Reply, markdown_escape
 from .widgets.heatmap import SelectionHeatmap
 from .widgets.panels import DeviceWindowPanel, DramPanel, Panel, ThroughputPanel
 from .widgets.prompt import PromptInput
@@ -65,6 +68,21 @@ from .widgets.status import StatusLine, StepProgress
 READY = "ready"
 T = TypeVar("T")
 THEMES = {"dark": "textual-dark", "light": "textual-light"}
+
+
+@dataclass
+class Turn:
+    """A question being answered, kept until its step ends to record what became of it.
+
+    `replaced`: the answered turn a regeneration took out of the conversation (empty for a new
+    question), and `old_reply` its reply on screen, hidden while the new one streams: both
+    come back when the regeneration gets no answer.
+    """
+
+    question: Question
+    asked_at: int = 0  # how many messages the conversation held when the step started
+    replaced: list[dict[str, str]] = field(default_factory=list)
+    old_reply: Reply | None = None
 
 
 class KvchatApp(App[None]):
@@ -111,6 +129,7 @@ class KvchatApp(App[None]):
         self.busy = engine is None  # an engine step is running; guards the one-thread engine
         self.cancel_event = threading.Event()
         self.reply: Reply | None = None
+        self.turn: Turn | None = None  # the question the running reply step answers
         self.document: DocumentInfo | None = None
         self.history = History()  # $KVCHAT_HOME/conversations.sqlite3, opened on first use
         self.conversation_id: int | None = None  # saved from its first question on
@@ -154,6 +173,12 @@ class KvchatApp(App[None]):
         # A thread worker cannot be killed: ask it to stop at the next chunk or token so
         # quitting does not wait for a long prefill to finish.
         self.cancel_event.set()
+        if self.turn is not None and self.reply is not None:
+            # Quitting during a reply: its step never reports back. The question is kept, with
+            # what was shown of its answer (the conversation holds that once decoding began).
+            turn, text = self.turn, self.reply.text
+            self.turn = None
+            self.record_turn(turn, text or None, stopped=True)
         # The timer could otherwise fire once more while the widgets are being removed.
         self.stats_timer.stop()
 
@@ -175,6 +200,20 @@ class KvchatApp(App[None]):
         yield SystemCommand(
             "Export", "Save the conversation as Markdown (/export)", lambda: self.export("")
         )
+
+    def notify(
+        self,
+        message: str,
+        *,
+        title: str = "",
+        severity: SeverityLevel = "information",
+        timeout: float | None = None,
+        markup: bool = False,
+    ) -> None:
+        """A notification shown as plain text unless `markup` is asked for: the app's
+        notifications carry paths, file, model and conversation names and error messages,
+        where a [bracket] is text, not a style."""
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=markup)
 
     # ---- the engine worker ---------------------------------------------------------------
     def post(self, message: object) -> None:
@@ -210,8 +249,8 @@ class KvchatApp(App[None]):
             chat = self.query_one("#chat", ChatPane)
             await chat.remove_children()
             await chat.add_note(
-                f"Model **{message.engine.stats().model}** loaded: a new chat starts. "
-                "Load the document again (/load) to ask about it."
+                f"Model **{markdown_escape(message.engine.stats().model)}** loaded: a new "
+                "chat starts. Load the document again (/load) to ask about it."
             )
 
     def on_notice(self, message: Notice) -> None:
@@ -239,13 +278,11 @@ class KvchatApp(App[None]):
             await self.reply.add_text(message.text)
 
     async def on_step_finished(self, message: StepFinished) -> None:
-        self.busy, self.state = False, READY
         self.query_one("#progress", StepProgress).hide()
-        if message.kind == "reply" and self.reply is not None:
-            stopped = message.stopped or message.error is not None
-            await self.reply.finish(stopped=stopped)
-            self.save_message(SavedMessage("assistant", self.reply.text, stopped))
-            self.reply = None
+        if message.kind == "reply":
+            # Still busy meanwhile: the next question starts once this turn is recorded.
+            await self.end_turn(message.stopped or message.error is not None)
+        self.busy, self.state = False, READY
         if message.error:
             # A first model that failed leaves no engine: nothing can run. A failed /model
             # keeps the model loaded before.
@@ -278,13 +315,61 @@ class KvchatApp(App[None]):
             lambda cancel: bridge.load_document(engine, path, self.post, cancel),  # type: ignore[arg-type]
         )
 
-    def ask(self, question: str, params: GenerationSettings | None = None) -> bool:
-        engine = self.engine
-        return self.start_step(
+    def ask(self, turn: Turn, params: GenerationSettings | None = None) -> bool:
+        """Answer `turn`'s question in the worker; `end_turn` records what became of it."""
+        engine, question = self.engine, turn.question.text
+        if engine is None:
+            return False
+        # Counted before the worker starts: it may add the turn before this thread reads on.
+        turn.asked_at = len(engine.session.conversation.messages)
+        if not self.start_step(
             "reply",
             "prefill",
-            lambda cancel: bridge.ask(engine, question, self.post, cancel, params),  # type: ignore[arg-type]
-        )
+            lambda cancel: bridge.ask(engine, question, self.post, cancel, params),
+        ):
+            return False
+        self.turn = turn
+        return True
+
+    async def ask_new(self, question: str) -> None:
+        """Show `question` and answer it as a new turn."""
+        if not self.idle():
+            return
+        chat = self.query_one("#chat", ChatPane)
+        shown = await chat.add_user(question)
+        self.reply = await chat.add_reply()
+        self.ask(Turn(shown))
+
+    async def end_turn(self, stopped: bool) -> None:
+        """The reply step ended: keep its turn in the conversation, the history and on screen
+        alike. The engine's conversation says whether the question got an answer: it records
+        the turn once decoding began (a reply stopped after that is kept, marked stopped) and
+        drops a question stopped during its prefill, refused or failed before its reply."""
+        turn, reply = self.turn, self.reply
+        self.turn = self.reply = None
+        if reply is None:
+            return
+        if turn is None or self.engine is None:  # a reply no question started: nothing to save
+            await reply.finish(stopped=stopped)
+            return
+        messages = self.engine.session.conversation.messages
+        answered = len(messages) > turn.asked_at
+        try:
+            if not answered and turn.replaced:
+                messages += turn.replaced  # a regeneration without an answer: the old one stands
+            self.record_turn(turn, messages[-1]["content"] if answered else None, stopped)
+        finally:
+            if answered:
+                reply.text = messages[-1]["content"]
+                await reply.finish(stopped=stopped)
+                if turn.old_reply is not None:
+                    await turn.old_reply.remove()
+            else:
+                await reply.remove()
+                if turn.old_reply is not None:
+                    turn.old_reply.display = True
+                else:
+                    await turn.question.mark_unanswered()
 
     async def on_prompt_input_submitted(self, message: PromptInput.Submitted) -> None:
         try:
@@ -299,11 +384,7 @@ class KvchatApp(App[None]):
             message.prompt.text = message.text  # give the question back instead of losing it
             self.notify("Busy: wait, or press Esc to stop the running step.", severity="warning")
             return
-        chat = self.query_one("#chat", ChatPane)
-        await chat.add_user(message.text)
-        self.save_message(SavedMessage("user", message.text))
-        self.reply = await chat.add_reply()
-        self.ask(message.text)
+        await self.ask_new(message.text)
 
     async def run_command(self, command: Command) -> None:
         if command.name == "load":
@@ -349,6 +430,22 @@ class KvchatApp(App[None]):
         side.display = not side.display
 
     # ---- saved conversations -------------------------------------------------------------
+    def record_turn(self, turn: Turn, answer: str | None, stopped: bool) -> None:
+        """Save how `turn` ended, as the conversation holds it: the one place the history
+        gains a turn. `answer` None: the question got no answer, and the conversation does
+        not hold it; it is saved alone, marked stopped, so a resumed chat shows it as it was
+        shown and leaves it out of the turns the model sees."""
+        if turn.replaced:  # a regeneration: its answer takes the old one's place
+            conversation_id = self.conversation_id
+            if answer is None:
+                return  # the old answer stands, in the conversation and in the history
+            if conversation_id is not None:
+                self.history_call(lambda h: h.drop_last_reply(conversation_id), "not saved")
+        else:
+            self.save_message(SavedMessage("user", turn.question.text, stopped=answer is None))
+        if answer is not None:
+            self.save_message(SavedMessage("assistant", answer, stopped))
+
     def save_message(self, message: SavedMessage) -> None:
         """Write one finished message; the conversation's record starts at its first."""
         if self.engine is None:
@@ -406,14 +503,19 @@ class KvchatApp(App[None]):
             await chat.add_document_card(message.info)
         elif saved.document is not None:
             await chat.add_note(
-                f"The document **{saved.document.name}** is not loaded: {message.problem}. "
-                "The chat goes on without it."
+                f"The document **{markdown_escape(saved.document.name)}** is not loaded: "
+                f"{markdown_escape(message.problem)}. The chat goes on without it."
             )
         if saved.system:
             await chat.add_note(system_note(saved.system))
-        for m in saved.messages:
+        shown = saved.messages
+        for i, m in enumerate(shown):
             if m.role == "user":
-                await chat.add_user(m.text)
+                question = await chat.add_user(m.text)
+                # As SavedConversation.turns() reads it: a question with no answer after it
+                # got none (stopped, refused, or the app ended during its prefill).
+                if i + 1 == len(shown) or shown[i + 1].role != "assistant":
+                    await question.mark_unanswered()
             else:
                 await chat.add_saved_reply(m.text, m.stopped)
 
@@ -442,28 +544,30 @@ class KvchatApp(App[None]):
         self.notify(f"Copied the last reply ({len(replies[-1]):,} characters).")
 
     async def action_regenerate(self) -> None:
-        """Answer the last question again. The cache still holds everything before the old
-        reply, so the question is not prefilled again."""
+        """Answer the last question again. For an answered one, the cache still holds
+        everything before the old reply, so the question is not prefilled again; one that got
+        no answer is asked again below it, where it stays marked."""
         if not self.idle():
             return
         assert self.engine is not None
         conversation = self.engine.session.conversation
-        if not conversation.messages:
+        chat = self.query_one("#chat", ChatPane)
+        question = chat.last_question()
+        if question is not None and not question.answered:
+            await self.ask_new(question.text)
+            return
+        last_turn = conversation.messages[-2:]
+        if question is None or not last_turn or last_turn[0]["content"] != question.text:
             self.notify("Nothing to regenerate yet: ask a question first.", severity="warning")
             return
-        question = conversation.messages[-2]["content"]
         del conversation.messages[-2:]
-        chat = self.query_one("#chat", ChatPane)
-        replies = chat.replies()
-        if replies:
-            await replies[-1].remove()
-        conversation_id = self.conversation_id
-        if conversation_id is not None:
-            self.history_call(lambda h: h.drop_last_reply(conversation_id), "not saved")
+        old_reply = chat.replies()[-1]
+        old_reply.display = False
         self.reply = await chat.add_reply()
         generation = self.engine.settings.generation
         # When sampling, the same seed would draw the same reply again.
-        self.ask(question, replace(generation, seed=-1) if generation.temperature > 0 else None)
+        params = replace(generation, seed=-1) if generation.temperature > 0 else None
+        self.ask(Turn(question, replaced=last_turn, old_reply=old_reply), params)
 
     async def set_system(self, prompt: str) -> None:
         """Set (empty: clear) the system prompt of the conversation."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TextIO
 
@@ -29,6 +30,9 @@ from kvchat.native import BuildProgress, build_reports
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
+# What a terminal obeys instead of showing: the C0 controls but tab and newline (ESC opens
+# every escape sequence, BEL ends an OSC one), DEL, and the C1 controls (8-bit CSI, OSC, DCS).
+_TERMINAL_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 class ProgressLine:
@@ -73,6 +77,27 @@ class BuildLine:
         self.stream.flush()
 
 
+def terminal_safe(text: str) -> str:
+    """`text` without the control characters a terminal would act on: a model's reply
+    (or the document it quotes) cannot move the cursor, retitle the window or write the
+    clipboard (OSC 52)."""
+    return _TERMINAL_CONTROLS.sub("", text)
+
+
+def write_reply(pieces: Iterable[str], stream: TextIO) -> None:
+    """Write a reply to `stream` piece by piece as it is generated; on a terminal, through
+    `terminal_safe`, and exactly as generated anywhere else (a file, a pipe).
+
+    Each piece is cleaned on its own, with no state carried between pieces: a sequence split
+    across pieces still loses its introducer (ESC or a C1 control), in whichever piece holds
+    it, and no escape sequence acts without one; the rest of it prints as plain characters.
+    """
+    tty = stream.isatty()
+    for piece in pieces:
+        stream.write(terminal_safe(piece) if tty else piece)
+        stream.flush()
+
+
 def _load(args: argparse.Namespace):
     return load_settings(Path(args.config) if args.config else None, args.set or ())
 
@@ -107,11 +132,10 @@ def cmd_ask(args: argparse.Namespace) -> int:
             planned_tokens=len(prompt) + settings.generation.max_new_tokens,
         )
         _print_prefill_report(report)
-        for piece in engine.session.ask(
-            question, on_progress=ProgressLine("prefill"), cancel=cancel
-        ):
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        write_reply(
+            engine.session.ask(question, on_progress=ProgressLine("prefill"), cancel=cancel),
+            sys.stdout,
+        )
     except KeyboardInterrupt:
         cancel.set()
         print("\nkvchat: interrupted", file=sys.stderr)

@@ -15,6 +15,7 @@ from typing import Any
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.content import Content
 from textual.screen import ModalScreen
 from textual.validation import ValidationResult, Validator
 from textual.widget import Widget
@@ -107,7 +108,8 @@ class SettingsScreen(ModalScreen[Settings | None]):
 
     def compose(self) -> ComposeResult:
         with Vertical(id="settings-dialog") as dialog:
-            dialog.border_title = f"Settings: {home_relative(self.path)}"
+            # Content, not a str: a str title is read as markup, and the path is the user's.
+            dialog.border_title = Content(f"Settings: {home_relative(self.path)}")
             with VerticalScroll(id="settings-form"):
                 for section, cls, help in sections():
                     yield Static(f"[b]{section}[/b]  {help}", classes="settings-section")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from textual.containers import VerticalScroll
 from textual.widgets import Markdown
 from textual.widgets.markdown import MarkdownStream
@@ -9,6 +11,10 @@ from textual.widgets.markdown import MarkdownStream
 from kvchat.tui.messages import DocumentInfo
 
 STOPPED_MARK = "\n\n*[stopped]*"
+NO_ANSWER_MARK = "\n\n*[no answer]*"
+# The punctuation that can start inline Markdown (emphasis, code, links, images, HTML,
+# entities, tables); a backslash before any ASCII punctuation shows it as itself.
+_MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_{}\[\]()<>!#|~&+])")
 
 
 class ChatMessage(Markdown):
@@ -17,6 +23,23 @@ class ChatMessage(Markdown):
     def __init__(self, text: str, role: str) -> None:
         super().__init__(text, classes=role)
         self.role = role
+
+
+class Question(ChatMessage):
+    """A question as typed. One that got no answer (stopped before its reply began, refused,
+    failed) stays, marked, as the saved history keeps it."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(text, "user")
+        self.text = text
+
+    @property
+    def answered(self) -> bool:
+        return not self.has_class("unanswered")
+
+    async def mark_unanswered(self) -> None:
+        self.add_class("unanswered")
+        await self.update(self.text + NO_ANSWER_MARK)
 
 
 class Reply(ChatMessage):
@@ -53,9 +76,11 @@ class ChatPane(VerticalScroll):
         self.scroll_end(animate=False)
         return message
 
-    async def add_user(self, text: str) -> ChatMessage:
+    async def add_user(self, text: str) -> Question:
         # A question is shown as typed, not interpreted as Markdown markup beyond paragraphs.
-        return await self.add(ChatMessage(text, "user"))
+        question = Question(text)
+        await self.add(question)
+        return question
 
     async def add_note(self, markdown: str) -> ChatMessage:
         return await self.add(ChatMessage(markdown, "note"))
@@ -78,14 +103,25 @@ class ChatPane(VerticalScroll):
     def replies(self) -> list[Reply]:
         return list(self.query(Reply))
 
+    def last_question(self) -> Question | None:
+        questions = list(self.query(Question))
+        return questions[-1] if questions else None
+
 
 def document_card(info: DocumentInfo) -> str:
     """The card that stands for a document in the chat: never the whole text."""
     head = info.head.replace("```", "ʼʼʼ")  # keep the preview inside its code fence
     return (
-        f"**{info.name}** — {human_bytes(info.size_bytes)}, {info.tokens:,} tokens\n\n"
+        f"**{markdown_escape(info.name)}** — {human_bytes(info.size_bytes)}, "
+        f"{info.tokens:,} tokens\n\n"
         f"```text\n{head}\n```"
     )
+
+
+def markdown_escape(text: str) -> str:
+    """`text` (a file name, a path, an error) to show as itself inside Markdown, on one line:
+    no emphasis, link or HTML made of its characters."""
+    return _MARKDOWN_PUNCTUATION.sub(r"\\\1", " ".join(text.splitlines()))
 
 
 def human_bytes(n: float) -> str:

@@ -22,7 +22,8 @@ class Panel(Vertical):
         self.border_title = title
 
     def compose(self) -> ComposeResult:
-        yield Static(classes="panel-body")
+        # Plain text: the bodies carry names from the settings and the device, never markup.
+        yield Static(classes="panel-body", markup=False)
 
     def show(self, stats: EngineStats) -> None:
         self.query_one(".panel-body", Static).update(self.body(stats))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from textual.app import ComposeResult
 from textual.containers import Horizontal
+from textual.content import Content
 from textual.widgets import Label, ProgressBar, Static
 
 from kvchat.core.engine import EngineStats
@@ -11,16 +12,23 @@ from kvchat.native import BuildProgress
 
 
 class StatusLine(Static):
-    """Model, context used / max_seq_len, kv_type, position mode, and what the engine does."""
+    """Model, context used / max_seq_len, kv_type, position mode, and what the engine does.
+
+    Built as Content, not markup: the state names files and saved titles, and the model name
+    comes from its file, so brackets in them show as they are.
+    """
 
     def show(self, state: str, stats: EngineStats | None) -> None:
         if stats is None:
-            self.update(f"[b]{state}[/b]")
+            self.update(Content.assemble((state, "bold")))
             return
         self.update(
-            f"[b]{state}[/b] │ {stats.model} │ context {stats.context_tokens:,}/"
-            f"{stats.max_seq_len:,} │ kv {stats.cache.kv_dtype} │ {stats.attention} │ "
-            f"positions {stats.position_mode} │ {stats.device} {stats.dtype}"
+            Content.assemble(
+                (state, "bold"),
+                f" │ {stats.model} │ context {stats.context_tokens:,}/"
+                f"{stats.max_seq_len:,} │ kv {stats.cache.kv_dtype} │ {stats.attention} │ "
+                f"positions {stats.position_mode} │ {stats.device} {stats.dtype}",
+            )
         )
 
 
@@ -29,7 +37,7 @@ class StepProgress(Horizontal):
 
     def compose(self) -> ComposeResult:
         yield ProgressBar(show_eta=False, id="step-bar")
-        yield Label(id="step-label")
+        yield Label(id="step-label", markup=False)  # kernel names and numbers, never markup
 
     def show(self, phase: str, done: int, total: int, elapsed: float) -> None:
         self.display = True
