@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -23,17 +25,43 @@ class Document:
         return self.path.name
 
 
-def read_document(path: str | Path) -> Document:
-    """Read a UTF-8 text file whole; refuse a missing, empty, directory or binary file."""
+def check_document(path: str | Path) -> Path:
+    """Refuse, without reading it, a path that is missing, a folder, not a regular file (a
+    FIFO, a device such as /dev/zero, a socket: reading one can block or never end) or empty."""
     p = Path(path).expanduser()
-    if not p.exists():
-        raise DocumentError(f"{p}: no such file")
-    if p.is_dir():
-        raise DocumentError(f"{p}: is a directory, not a text file")
     try:
-        data = p.read_bytes()
+        info = p.stat()
+    except FileNotFoundError:
+        raise DocumentError(f"{p}: no such file") from None
     except OSError as e:
         raise DocumentError(f"{p}: cannot be read ({e.strerror or e})") from e
+    _check_kind(p, info)
+    return p
+
+
+def read_document(path: str | Path, max_bytes: int | None = None) -> Document:
+    """Read a UTF-8 text file whole; refuse what check_document refuses, a binary file, and
+    (before reading it) a file of more than `max_bytes`."""
+    p = Path(path).expanduser()
+    try:
+        # O_NONBLOCK: opening a FIFO swapped in after a check returns at once, and the
+        # fstat below refuses it; on a regular file the flag changes nothing.
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise DocumentError(f"{p}: no such file") from None
+    except IsADirectoryError:
+        raise DocumentError(f"{p}: is a directory, not a text file") from None
+    except OSError as e:
+        raise DocumentError(f"{p}: cannot be read ({e.strerror or e})") from e
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(fd)
+        _check_kind(p, info)
+        if max_bytes is not None and info.st_size > max_bytes:
+            raise DocumentTooLongError(p, info.st_size)
+        try:
+            data = f.read()
+        except OSError as e:
+            raise DocumentError(f"{p}: cannot be read ({e.strerror or e})") from e
     if not data.strip():
         raise DocumentError(f"{p}: the file is empty")
     if b"\x00" in data[:65536]:
@@ -50,3 +78,20 @@ def read_document(path: str | Path) -> Document:
         size_bytes=len(data),
         sha256=hashlib.sha256(data).hexdigest(),
     )
+
+
+class DocumentTooLongError(DocumentError):
+    """The file is larger than any text that fits the context; the caller words the refusal."""
+
+    def __init__(self, path: Path, size_bytes: int) -> None:
+        super().__init__(f"{path}: {size_bytes:,} bytes is too long")
+        self.path, self.size_bytes = path, size_bytes
+
+
+def _check_kind(p: Path, info: os.stat_result) -> None:
+    if stat.S_ISDIR(info.st_mode):
+        raise DocumentError(f"{p}: is a directory, not a text file")
+    if not stat.S_ISREG(info.st_mode):
+        raise DocumentError(f"{p}: is not a regular file (a pipe, device or socket), not text")
+    if info.st_size == 0:
+        raise DocumentError(f"{p}: the file is empty")

@@ -13,7 +13,6 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-import psutil
 import torch
 
 from kvchat.config import GenerationSettings, LongContextSettings, Settings, changed_keys
@@ -28,7 +27,8 @@ from . import cpu_ops
 from .cancel import Cancelled
 from .conversation import Conversation
 from .device import configure_threads, resolve_device, resolve_dtype
-from .memory import process_rss, release_freed_memory
+from .documents import Document, DocumentTooLongError, read_document
+from .memory import available_memory, process_rss, release_freed_memory
 from .model import Transformer
 from .model_config import ModelConfig
 from .plan import MemoryPlan, PlanRefusedError, plan_memory
@@ -42,7 +42,7 @@ from .snapshot import (
     model_identity,
     snapshot_dir,
 )
-from .tokenizer import Tokenizer, load_tokenizer
+from .tokenizer import Tokenizer, TooManyTokensError, load_tokenizer
 from .weights import load_weights, resolve_model_path
 
 ProgressFn = Callable[[int, int], None]
@@ -595,10 +595,44 @@ class Engine:
             n_tokens,
             self.model.dtype.itemsize,
             self.model.nbytes,
-            psutil.virtual_memory().available,
+            available_memory(),
             held.kv_bytes + held.anchor_bytes + held.resident_bytes,
             self.runtime_bytes,
         )
+
+    def read_document(self, path: str | Path) -> Document:
+        """The document at `path`; a file whose size alone shows more tokens than
+        long_context.max_seq_len holds is refused before it is read."""
+        limit = self.settings.long_context.max_seq_len
+        try:
+            return read_document(path, max_bytes=limit * self.tokenizer.bytes_per_token_bound)
+        except DocumentTooLongError as e:
+            fewest = self.tokenizer.fewest_tokens(e.size_bytes)
+            raise PlanRefusedError(
+                f"{e.path}: {e.size_bytes:,} bytes hold at least {fewest:,} tokens, but "
+                f"long_context.max_seq_len is {limit:,}. Raise it (e.g. --set "
+                f"long_context.max_seq_len={_round_up(fewest)}) or load a shorter text."
+            ) from None
+
+    def encode_document(
+        self,
+        doc: Document,
+        on_progress: Callable[[int, int], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> list[int]:
+        """The ids of `doc`; tokenizing stops, refusing the document, as soon as they pass
+        long_context.max_seq_len."""
+        limit = self.settings.long_context.max_seq_len
+        try:
+            return self.tokenizer.encode_long(doc.text, on_progress, cancel, stop_after=limit)
+        except TooManyTokensError as e:
+            estimate = e.tokens * e.total // e.done
+            raise PlanRefusedError(
+                f"{doc.name} holds more than long_context.max_seq_len ({limit:,}) tokens: "
+                f"{e.tokens:,} in its first {e.done / e.total:.0%}, about {estimate:,} in all. "
+                f"Raise it (e.g. --set long_context.max_seq_len={_round_up(estimate)}) or load "
+                "a shorter text."
+            ) from None
 
     def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
         """Refuse, before any computation, a prompt the settings or the memory cannot hold."""
@@ -672,7 +706,7 @@ class Engine:
             decode_tokens=self._decode[0],
             decode_seconds=self._decode[1],
             time_to_first_token=self._ttft,
-            rss_bytes=psutil.Process().memory_info().rss,
+            rss_bytes=process_rss(),
         )
 
 

@@ -35,6 +35,53 @@ def release_freed_memory() -> None:
         libc.malloc_trim(0)
 
 
+# Where Linux shows this process's cgroups, and where it mounts the cgroup file systems.
+PROC_CGROUP = Path("/proc/self/cgroup")
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+_NO_LIMIT = 1 << 60  # cgroup v1 writes "no limit" as a number near 2^63
+
+
+def available_memory() -> int:
+    """Bytes this process can still take: the host's available memory, or less where a
+    cgroup limit (a container's, a systemd slice's) leaves less. psutil alone reads the
+    host's numbers, which inside a container approve plans the OOM killer then ends."""
+    return min([psutil.virtual_memory().available, *_cgroup_room()])
+
+
+def _cgroup_room() -> list[int]:
+    """limit - usage of every memory cgroup this process is in, with its ancestors (a limit
+    anywhere up the tree applies); v2 (memory.max / memory.current) and v1."""
+    try:
+        lines = PROC_CGROUP.read_text().splitlines()
+    except OSError:
+        return []
+    room = []
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":  # v2: one unified hierarchy
+            base, files = CGROUP_ROOT, ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            base, files = CGROUP_ROOT / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+        else:
+            continue
+        folder = base / path.lstrip("/")
+        for group in (folder, *folder.parents):
+            if group == base.parent:
+                break
+            limit, usage = (_read_int(group / name) for name in files)
+            if limit is not None and usage is not None and limit < _NO_LIMIT:
+                room.append(max(limit - usage, 0))
+    return room
+
+
+def _read_int(path: Path) -> int | None:
+    """The number in a cgroup file; None for "max", a missing or unreadable file."""
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def process_rss() -> int:
     return psutil.Process().memory_info().rss
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import psutil
-
 from kvchat.config import LongContextSettings
 from kvchat.kv.anchors import anchor_itemsize, anchor_rows
 from kvchat.kv.quant import bytes_per_token
 from kvchat.kv.sparse import window_capacity
 
+from .memory import available_memory
 from .model_config import ModelConfig
 
 # Leave room for the OS, the UI and allocator slack.
@@ -150,7 +149,7 @@ def plan_table(
     runtime_bytes: int = 0,
 ) -> str:
     """The `kvchat plan` report: memory by context size, then which kv_type fits 1M tokens."""
-    available = psutil.virtual_memory().available
+    available = available_memory()
     lines = [
         f"{cfg.name or cfg.architecture}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x "
         f"{cfg.head_dim}, weights {_gib(weights_bytes)}, runtime {_gib(runtime_bytes)} "

@@ -76,6 +76,14 @@ class TokenizerError(ValueError):
     """The tokenizer or its chat template cannot be loaded or used; the message says why."""
 
 
+class TooManyTokensError(ValueError):
+    """encode_long passed its stop_after: `tokens` ids from `done` of `total` characters."""
+
+    def __init__(self, tokens: int, done: int, total: int) -> None:
+        super().__init__(f"{tokens:,} tokens in the first {done:,} of {total:,} characters")
+        self.tokens, self.done, self.total = tokens, done, total
+
+
 @dataclass(frozen=True)
 class _TokenizerParts:
     """Everything a Tokenizer is built from; also what the GGUF cache stores."""
@@ -241,12 +249,15 @@ class Tokenizer:
         text: str,
         on_progress: Callable[[int, int], None] | None = None,
         cancel: threading.Event | None = None,
+        stop_after: int | None = None,
     ) -> list[int]:
         """encode(text), for texts of up to ~1M tokens: cut into pieces at boundaries that
         cannot change the ids, encoded in parallel by the Rust batch encoder.
 
-        Reports (characters done, characters in all) after each batch and raises Cancelled
-        at the next batch once `cancel` is set.
+        Reports (characters done, characters in all) after each batch, raises Cancelled at
+        the next batch once `cancel` is set, and TooManyTokensError at the first batch that
+        takes the ids past `stop_after` with text still to go (a whole text is returned, so
+        the caller can say exactly how long it is).
         """
         total = len(text)
         pieces = _split_pieces(text, _PIECE_CHARS) if self._splits_exactly else [text]
@@ -261,7 +272,21 @@ class Tokenizer:
             done += sum(map(len, batch))
             if on_progress is not None:
                 on_progress(done, total)
+            if stop_after is not None and len(ids) > stop_after and done < total:
+                raise TooManyTokensError(len(ids), done, total)
         return ids
+
+    def fewest_tokens(self, n_bytes: int) -> int:
+        """A lower bound on the tokens of any UTF-8 text of `n_bytes`."""
+        return n_bytes // self.bytes_per_token_bound
+
+    @cached_property
+    def bytes_per_token_bound(self) -> int:
+        """More bytes of text than any one token spells: the vocabulary's longest entry in
+        UTF-8 (byte-level vocabularies spell a byte in up to 2), with a 4x margin for
+        normalizers that shorten text."""
+        vocab = self._text_tok.get_vocab(with_added_tokens=False)
+        return 4 * max(len(token.encode()) for token in vocab)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=False)

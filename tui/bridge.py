@@ -18,10 +18,11 @@ from textual.message import Message
 from kvchat.config import GenerationSettings, Settings
 from kvchat.core.cancel import Cancelled
 from kvchat.core.conversation import Conversation
-from kvchat.core.documents import Document, DocumentError, read_document
+from kvchat.core.documents import Document, DocumentError
 from kvchat.core.engine import Engine
 from kvchat.core.errors import USER_ERRORS
 from kvchat.core.history import SavedConversation
+from kvchat.core.plan import PlanRefusedError
 from kvchat.core.snapshot import PrefillReport, format_size
 from kvchat.native import build_reports
 
@@ -115,7 +116,8 @@ def load_document(engine: Engine, path: str | Path, post: Post, cancel: threadin
 
     Any refusal before the swap leaves the current document and session untouched.
     """
-    return _open_document(engine, read_document(path), Conversation(), post, cancel, DocumentLoaded)
+    doc = engine.read_document(path)
+    return _open_document(engine, doc, Conversation(), post, cancel, DocumentLoaded)
 
 
 def resume(engine: Engine, saved: SavedConversation, post: Post, cancel: threading.Event) -> str:
@@ -126,8 +128,8 @@ def resume(engine: Engine, saved: SavedConversation, post: Post, cancel: threadi
     doc, problem = None, ""
     if saved.document is not None:
         try:
-            doc = read_document(saved.document.path)
-        except DocumentError as e:
+            doc = engine.read_document(saved.document.path)
+        except (DocumentError, PlanRefusedError) as e:
             problem = str(e)
         else:
             if doc.sha256 != saved.document.sha256:
@@ -153,7 +155,7 @@ def _open_document(
     `announce(info)` and prefill the document."""
     report = progress_reporter(post, "tokenize")
     report(0, len(doc.text))  # the phase shows at once, not after the first batch
-    ids = engine.tokenizer.encode_long(doc.text, report, cancel)
+    ids = engine.encode_document(doc, report, cancel)
     candidate = Conversation(system=history.system, document_ids=ids, document_name=doc.name)
     prefix = candidate.document_prefix_ids(engine.tokenizer)
     max_new = engine.settings.generation.max_new_tokens

@@ -15,7 +15,7 @@ from typing import TextIO
 
 from kvchat.config import load_settings, settings_to_yaml
 from kvchat.core.cancel import Cancelled
-from kvchat.core.documents import DocumentError, read_document
+from kvchat.core.documents import DocumentError, check_document
 from kvchat.core.errors import USER_ERRORS
 from kvchat.core.niah import Task, ValueKind
 from kvchat.core.snapshot import (
@@ -109,13 +109,14 @@ def cmd_ask(args: argparse.Namespace) -> int:
     for warning in loaded.warnings:
         print(f"kvchat: warning: {warning}", file=sys.stderr)
     settings = loaded.settings
-    doc = read_document(args.prompt_file)
+    check_document(args.prompt_file)  # refused before the model loads: no read, no wait
     question = args.question if args.question is not None else sys.stdin.read()
     if not question.strip():
         raise DocumentError("no question given: pass it as an argument or on standard input")
     engine = Engine.load(settings, args.model)
     tokenizer = engine.tokenizer
-    ids = tokenizer.encode_long(doc.text, ProgressLine("tokenize") if args.verbose else None)
+    doc = engine.read_document(args.prompt_file)
+    ids = engine.encode_document(doc, ProgressLine("tokenize") if args.verbose else None)
     conversation = engine.session.conversation
     conversation.document_ids, conversation.document_name = ids, doc.name
     prompt = conversation.prompt_ids(tokenizer, question)
@@ -431,7 +432,7 @@ def cmd_app(args: argparse.Namespace) -> int:
     for warning in loaded.warnings:
         print(f"kvchat: warning: {warning}", file=sys.stderr)
     if args.prompt_file is not None:
-        read_document(args.prompt_file)  # a bad file is refused here, before the app starts
+        check_document(args.prompt_file)  # a bad file is refused here, before the app starts
     KvchatApp(
         loaded.settings,
         model_spec=args.model,

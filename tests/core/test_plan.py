@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from kvchat.config import LongContextSettings
+from kvchat.core import memory
 from kvchat.core.model_config import ModelConfig
 from kvchat.core.plan import (
     RUNTIME_BYTES,
@@ -118,3 +119,65 @@ def test_engine_refuses_a_plan_above_memory(engine_fp32, settings_fp32):
     with pytest.raises(PlanRefusedError) as e:
         engine.check_fits(4_000_000, 0)  # 4M fp32 tokens: ~170 GiB of KV
     assert "4000000 tokens need" in str(e.value) and "usable" in str(e.value)
+
+
+def _fake_cgroups(tmp_path, monkeypatch, proc_line: str, files: dict[str, str]) -> None:
+    """Point kvchat.core.memory at a /proc/self/cgroup and a cgroup tree written here."""
+    proc = tmp_path / "cgroup"
+    proc.write_text(proc_line + "\n")
+    root = tmp_path / "sys-fs-cgroup"
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text + "\n")
+    monkeypatch.setattr(memory, "PROC_CGROUP", proc)
+    monkeypatch.setattr(memory, "CGROUP_ROOT", root)
+
+
+@pytest.mark.parametrize(
+    ("proc_line", "files"),
+    [
+        (  # cgroup v2: the limit of the process's own group
+            "0::/user.slice/kvchat.scope",
+            {
+                "user.slice/kvchat.scope/memory.max": str(600 << 20),
+                "user.slice/kvchat.scope/memory.current": str(500 << 20),
+            },
+        ),
+        (  # cgroup v2: a limit on an ancestor applies as well
+            "0::/box/kvchat",
+            {
+                "box/memory.max": str(600 << 20),
+                "box/memory.current": str(500 << 20),
+                "box/kvchat/memory.max": "max",
+                "box/kvchat/memory.current": str(400 << 20),
+            },
+        ),
+        (  # cgroup v1, as a container sees it
+            "7:cpuset,memory:/",
+            {
+                "memory/memory.limit_in_bytes": str(600 << 20),
+                "memory/memory.usage_in_bytes": str(500 << 20),
+            },
+        ),
+    ],
+    ids=["v2", "v2-ancestor", "v1"],
+)
+def test_a_cgroup_limit_makes_the_plan_refuse(
+    tmp_path, monkeypatch, engine_fp32, proc_line, files
+):
+    engine_fp32.check_fits(4096, 16)  # fits the host
+    _fake_cgroups(tmp_path, monkeypatch, proc_line, files)
+    assert memory.available_memory() == 100 << 20
+    with pytest.raises(PlanRefusedError, match="usable"):
+        engine_fp32.check_fits(4096, 16)
+    assert "available now: 0.10 GiB" in plan_table(SMOL, SPARSE, 2, 100_000_000)
+
+
+def test_no_cgroup_limit_leaves_the_host_figure(tmp_path, monkeypatch):
+    _fake_cgroups(
+        tmp_path,
+        monkeypatch,
+        "0::/",
+        {"memory.max": "max", "memory.current": "1", "memory/memory.limit_in_bytes": str(2**63)},
+    )
+    assert memory._cgroup_room() == []  # "max" and v1's 2^63 are no limit

@@ -76,6 +76,8 @@ def test_question_from_stdin(tmp_path):
         (lambda d: _write(d / "blank.txt", b" \n\n \t\n"), "the file is empty"),
         (lambda d: _write(d / "blob.bin", bytes(range(256)) * 4), "binary file"),
         (lambda d: _write(d / "latin1.txt", "caf\xe9 cr\xe8me".encode("latin-1")), "not UTF-8"),
+        (lambda d: Path("/dev/zero"), "not a regular file"),
+        (lambda d: _fifo(d / "pipe.txt"), "not a regular file"),
     ],
 )
 def test_bad_prompt_files_exit_2_with_a_clear_message(tmp_path, capsys, make, expected):
@@ -85,6 +87,11 @@ def test_bad_prompt_files_exit_2_with_a_clear_message(tmp_path, capsys, make, ex
     assert code == EXIT_USAGE
     assert expected in err and str(path) in err
     assert "Traceback" not in err
+
+
+def _fifo(path: Path) -> Path:
+    os.mkfifo(path)  # no writer: reading it would wait forever
+    return path
 
 
 def test_missing_question_is_refused(tmp_path):
