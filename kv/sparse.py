@@ -225,6 +225,7 @@ class SparseBackend(AttentionBackend):
         # rotate the keys back in fp32 first.
         exact = position_mode == "native" or widened_products(torch.device("cpu"), dtype)
         self._vote_dtype = torch.float32 if exact else dtype
+        self._vote_table = rope.cos_sin(self.window, 1, torch.float32)  # queries at one distance
         self._cos = self._sin = self._far_cos = self._far_sin = torch.empty(0)
         self._last_selection: list[torch.Tensor | None] = [None] * n_layers
         # Extrapolation keeps local distances (window + partial block + pass) in the trained
@@ -720,12 +721,15 @@ class SparseBackend(AttentionBackend):
         window, whatever the question asks."""
         assert self._votes is not None
         first, last = _SINK_BLOCKS, self._n_anchored
-        cos, sin = self.rope.cos_sin(self.window, 1, torch.float32)
-        queries = rotate(q[:, -_PROMPT_QUERIES:].float().cpu(), cos, sin)
+        queries = rotate(q[:, -_PROMPT_QUERIES:].float().cpu(), *self._vote_table)
         self._votes += pinning.layer_shares(
             queries, self._key_reader(st), first, last, self._vote_dtype
         )
         self._pinned = pinning.pick(self._votes, first, self._pin_count(), last)
+
+    def _forget_votes(self) -> None:
+        """The cache no longer holds what the votes and pins were counted over."""
+        self._pinned, self._votes = torch.empty(0, dtype=torch.long), None
 
     def _pin_count(self) -> int:
         """Blocks to pin: each brings the block after it, and together they take at most the
@@ -790,7 +794,7 @@ class SparseBackend(AttentionBackend):
         self._n_anchored = min(self._n_anchored, start // self.block)
         self._first_generated = min(self._first_generated, self._n_anchored)
         self._needs_preselect = False
-        self._pinned, self._votes = torch.empty(0, dtype=torch.long), None
+        self._forget_votes()
         for st in self._layers:
             st.selection, st.preselected, st.q_last = None, None, None
         self.device_cache.invalidate()
@@ -937,7 +941,7 @@ class SparseBackend(AttentionBackend):
         self._length, self._win_base, self._n_anchored = length, base, anchored
         self._n_stored, self._window_start = length // self.block, window_start
         self._first_generated, self._needs_preselect = 0, False
-        self._pinned, self._votes = torch.empty(0, dtype=torch.long), None
+        self._forget_votes()
         for st in self._layers:
             st.selection, st.preselected, st.q_last = None, None, None
         self._last_selection = [None] * self.n_layers
