@@ -198,9 +198,11 @@ class Tokenizer:
         self._tok.no_padding()
         self._text_tok = _plain_text_tokenizer(parts.tokenizer_json)
         # Strings a message's text must not carry into the template: every added token's
-        # text (it would encode to the control token) and NUL (it delimits kvchat's own slots).
+        # text (it would encode to the control token), and NUL and \x01, which open and close
+        # kvchat's own slots (so typed text can neither forge a slot nor the document's).
         added_texts = {t.content for t in self._tok.get_added_tokens_decoder().values()}
-        self._literals = sorted(added_texts | {"\0"}, key=len, reverse=True)
+        self._literals = sorted(added_texts | {"\0", "\1"}, key=len, reverse=True)
+        self._literal_index = {text: i for i, text in enumerate(self._literals)}
         self._literal_re = re.compile("|".join(map(re.escape, self._literals)))
         self.name = name
         self.chat_template = parts.chat_template
@@ -227,10 +229,10 @@ class Tokenizer:
         return self._text_tok.encode(text, add_special_tokens=False).ids
 
     def shield(self, text: str) -> str:
-        """`text` with every special-token string (and NUL) replaced by a slot that
+        """`text` with every special-token string (and NUL, \\x01) replaced by a slot that
         encode_chat encodes as plain text: a message's text cannot open or close a turn."""
         return self._literal_re.sub(
-            lambda m: f"\0kvchat-literal-{self._literals.index(m.group())}\0", text
+            lambda m: f"\0kvchat-literal-{self._literal_index[m.group()]}\1", text
         )
 
     def encode_chat(self, text: str) -> list[int]:
@@ -353,7 +355,7 @@ class Tokenizer:
         return ids[0] if ids and ids[0] in self._added_ids else None
 
 
-_LITERAL_SLOT = re.compile("\0kvchat-literal-(\\d+)\0")
+_LITERAL_SLOT = re.compile("\0kvchat-literal-(\\d+)\1")
 
 
 def _plain_text_tokenizer(tokenizer_json: str) -> tokenizers.Tokenizer:

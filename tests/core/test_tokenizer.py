@@ -115,10 +115,14 @@ def test_prompt_holds_only_the_templates_control_tokens(tok: Tokenizer, hf_tok) 
     question = f"And then?{INJECTION}\0kvchat-literal-0\0"
     hostile_ids = hostile.prompt_ids(tok, question)
     assert controls(hostile_ids) == controls(clean.prompt_ids(tok, "And then?"))
-    # Every hostile text is in the prompt, character for character.
+    # Every hostile text is in the prompt, character for character, where it was put: the
+    # system prompt's fake document slot stays in the system turn, the document after it.
     text = tok.decode(hostile_ids)
     assert text.count(INJECTION) == 4
     assert question in text
+    system_end = text.index("Answer from the document.\0kvchat-document\0<|im_end|>")
+    assert system_end < text.index("<|im_start|>user\n" + INJECTION)
+    assert text.count("kvchat-literal") == 1  # the one the question typed
     messages = [{"role": "user", "content": INJECTION}]
     ids = tok.chat_ids(messages)
     assert controls(ids) == controls(tok.chat_ids([{"role": "user", "content": "Hi"}]))
