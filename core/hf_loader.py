@@ -55,7 +55,7 @@ def config_from_hf(
     """ModelConfig from a transformers config.json dict (transformers 4 or 5 layout)."""
     names = raw.get("architectures") or []
     arch_name = names[0] if isinstance(names, list) and names else raw.get("model_type")
-    if arch_name not in ARCHITECTURES:
+    if not isinstance(arch_name, str) or arch_name not in ARCHITECTURES:
         raise UnsupportedModelError(
             f"{name}: architecture {arch_name!r} is not supported; "
             f"supported: {', '.join(ARCHITECTURES)}"
@@ -164,9 +164,10 @@ def _shard_files(folder: Path) -> list[str]:
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         weight_map = _read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise WeightsError(f"{index}: no weight_map")
-        return sorted(set(weight_map.values()))
+        files = list(weight_map.values()) if isinstance(weight_map, dict) else [None]
+        if not all(isinstance(f, str) and f and Path(f).name == f for f in files):
+            raise WeightsError(f"{index}: weight_map must map tensor names to file names")
+        return sorted(set(files))
     if not (folder / "model.safetensors").is_file():
         raise WeightsError(
             f"{folder} has neither model.safetensors nor model.safetensors.index.json"

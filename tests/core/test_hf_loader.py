@@ -270,3 +270,29 @@ def test_a_mistyped_config_exits_2_with_a_message(tmp_path):
     assert done.stderr.strip() == (
         "kvchat: error: config.json: num_key_value_heads is 'x', expected a positive int"
     )
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda raw: raw.update(architectures=[["LlamaForCausalLM"]]),
+        lambda raw: raw.update(architectures=None, model_type={}),
+    ],
+    ids=["nested-architectures", "object-model-type"],
+)
+def test_an_unhashable_architecture_is_unsupported(tmp_path, edit):
+    save_model(tmp_path)
+    edit_config(tmp_path, edit)
+    with pytest.raises(UnsupportedModelError, match="is not supported"):
+        load_hf(tmp_path)
+
+
+@pytest.mark.parametrize("value", [["model.safetensors"], 1, "../model.safetensors", ""])
+def test_a_weight_map_of_no_file_name_is_one_line(tmp_path, value):
+    save_model(tmp_path, shard="40KB")
+    index = tmp_path / "model.safetensors.index.json"
+    raw = json.loads(index.read_text())
+    raw["weight_map"]["model.norm.weight"] = value
+    index.write_text(json.dumps(raw))
+    with pytest.raises(WeightsError, match="weight_map must map tensor names to file names"):
+        load_hf(tmp_path)

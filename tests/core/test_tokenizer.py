@@ -251,3 +251,10 @@ def test_tokenize_benchmark(tok: Tokenizer) -> None:
     result = tokenize_benchmark(tok, 20_000)
     assert 19_000 <= result["tokens"] <= 21_000
     assert result["seconds"] > 0 and result["tokens_per_s"] > 0 and result["chars"] > 0
+
+
+def test_named_templates_with_odd_names_pick_the_default(tok: Tokenizer, tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text(tok._tok.to_str())
+    named = [{"name": ["odd"], "template": "x"}, {"name": "default", "template": "{{ 'ok' }}"}]
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"chat_template": named}))
+    assert load_tokenizer(tmp_path).chat_text([{"role": "user", "content": "hi"}]) == "ok"

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -138,7 +141,8 @@ def _install_parts(root, name: str, pieces: list[bytes]) -> SplitModel:
         (data.parent / "__init__.py").write_text("raise RuntimeError('never imported')\n")
         (data / f"part{i:02d}.bin").write_bytes(piece)
     packages = tuple(f"{name}_{i}" for i in range(1, len(pieces) + 1))
-    return SplitModel(packages, "joined.gguf", sum(map(len, pieces)), "make model-test")
+    digest = hashlib.sha256(b"".join(pieces)).hexdigest()
+    return SplitModel(packages, "joined.gguf", sum(map(len, pieces)), digest, "make model-test")
 
 
 def test_a_split_model_is_joined_once_from_its_parts(tmp_path, monkeypatch, smollm2_path):
@@ -155,13 +159,18 @@ def test_a_split_model_is_joined_once_from_its_parts(tmp_path, monkeypatch, smol
 def test_a_split_model_missing_a_part_says_how_to_install_it(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     model = _install_parts(tmp_path / "site", "kvchat_split_gap", [b"GGUF", b"rest"])
-    gap = SplitModel((*model.packages, "kvchat_split_gap_9"), model.filename, 8, model.install)
+    gap = replace(model, packages=(*model.packages, "kvchat_split_gap_9"))
     with pytest.raises(WeightsError, match=r"'kvchat_split_gap_9' is not installed; .*model-test"):
         split_model_path(gap, tmp_path / "models")
-    other = SplitModel(model.packages, model.filename, 9, model.install)
     with pytest.raises(WeightsError, match=r"hold 8 bytes, not 9"):
-        split_model_path(other, tmp_path / "models")
+        split_model_path(replace(model, size=9), tmp_path / "models")
+    altered = replace(model, sha256=hashlib.sha256(b"GGUFrust").hexdigest())
+    with pytest.raises(WeightsError, match=r"do not match the release kvchat knows"):
+        split_model_path(altered, tmp_path / "models")
     assert not list((tmp_path / "models").glob("*"))  # nothing half-written
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(WeightsError, match=r"cannot join the parts of joined\.gguf"):
+        split_model_path(model, tmp_path / "file" / "models")
 
 
 def test_the_second_model_is_named_with_its_install_command():
