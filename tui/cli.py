@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import threading
 import time
@@ -27,12 +26,10 @@ from kvchat.core.snapshot import (
     snapshot_dir,
 )
 from kvchat.native import BuildProgress, build_reports
+from kvchat.tui.terminal_text import terminal_safe
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-# What a terminal obeys instead of showing: the C0 controls but tab and newline (ESC opens
-# every escape sequence, BEL ends an OSC one), DEL, and the C1 controls (8-bit CSI, OSC, DCS).
-_TERMINAL_CONTROLS = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
 
 
 class ProgressLine:
@@ -75,13 +72,6 @@ class BuildLine:
             self.stream.write(f"kvchat: {progress.line()}\n")
         self.started = not progress.done
         self.stream.flush()
-
-
-def terminal_safe(text: str) -> str:
-    """`text` without the control characters a terminal would act on: a model's reply
-    (or the document it quotes) cannot move the cursor, retitle the window or write the
-    clipboard (OSC 52)."""
-    return _TERMINAL_CONTROLS.sub("", text)
 
 
 def write_reply(pieces: Iterable[str], stream: TextIO) -> None:

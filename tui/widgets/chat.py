@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import re
 
+from textual.await_complete import AwaitComplete
 from textual.containers import VerticalScroll
 from textual.widgets import Markdown
 from textual.widgets.markdown import MarkdownStream
 
 from kvchat.tui.messages import DocumentInfo
+from kvchat.tui.terminal_text import terminal_safe
 
 STOPPED_MARK = "\n\n*[stopped]*"
 NO_ANSWER_MARK = "\n\n*[no answer]*"
@@ -18,11 +20,19 @@ _MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_{}\[\]()<>!#|~&+])")
 
 
 class ChatMessage(Markdown):
-    """One message; `role` (user, assistant, note, document) is also its CSS class."""
+    """One message; `role` (user, assistant, note, document) is also its CSS class. Its
+    text goes to the terminal through terminal_safe: Textual passes ESC and the C1 controls
+    of a document or a reply through to the screen."""
 
     def __init__(self, text: str, role: str) -> None:
-        super().__init__(text, classes=role)
+        super().__init__(terminal_safe(text), classes=role)
         self.role = role
+
+    def update(self, markdown: str) -> AwaitComplete:
+        return super().update(terminal_safe(markdown))
+
+    def append(self, markdown: str) -> AwaitComplete:
+        return super().append(terminal_safe(markdown))
 
 
 class Question(ChatMessage):
