@@ -59,9 +59,12 @@ def read_document(path: str | Path, max_bytes: int | None = None) -> Document:
         if max_bytes is not None and info.st_size > max_bytes:
             raise DocumentTooLongError(p, info.st_size)
         try:
-            data = f.read()
+            # A file that grows after the fstat is still read no further than the bound.
+            data = f.read() if max_bytes is None else f.read(max_bytes + 1)
         except OSError as e:
             raise DocumentError(f"{p}: cannot be read ({e.strerror or e})") from e
+    if max_bytes is not None and len(data) > max_bytes:
+        raise DocumentTooLongError(p, len(data))
     if not data.strip():
         raise DocumentError(f"{p}: the file is empty")
     if b"\x00" in data[:65536]:

@@ -132,7 +132,7 @@ def _positive(
     kind: type,
     zero_ok: bool = False,
     where: str = "",
-) -> float:
+) -> int | float:
     """raw[key] (or `default` when absent or null) as a positive int or finite float."""
     value = raw.get(key)
     if value is None and default is not None:
@@ -147,11 +147,8 @@ def _positive(
 
 
 def _ids(value: object) -> tuple[int, ...]:
-    if isinstance(value, int):
-        return (value,)
-    if isinstance(value, list):
-        return tuple(v for v in value if isinstance(v, int))
-    return ()
+    values = value if isinstance(value, list) else [value]
+    return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool))
 
 
 def _generation_eos(folder: Path) -> tuple[int, ...]:

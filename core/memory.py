@@ -59,19 +59,35 @@ def _cgroup_room() -> list[int]:
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":  # v2: one unified hierarchy
-            base, files = CGROUP_ROOT, ("memory.max", "memory.current")
+            base, files = CGROUP_ROOT, ("memory.max", "memory.current", "inactive_file")
         elif "memory" in controllers.split(","):
-            base, files = CGROUP_ROOT / "memory", ("memory.limit_in_bytes", "memory.usage_in_bytes")
+            base = CGROUP_ROOT / "memory"
+            files = ("memory.limit_in_bytes", "memory.usage_in_bytes", "total_inactive_file")
         else:
             continue
         folder = base / path.lstrip("/")
         for group in (folder, *folder.parents):
             if group == base.parent:
                 break
-            limit, usage = (_read_int(group / name) for name in files)
+            limit, usage = (_read_int(group / name) for name in files[:2])
             if limit is not None and usage is not None and limit < _NO_LIMIT:
+                # Usage counts the page cache (the model file just read); its inactive part
+                # is given back before the OOM killer acts.
+                usage -= _stat(group / "memory.stat", files[2])
                 room.append(max(limit - usage, 0))
     return room
+
+
+def _stat(path: Path, key: str) -> int:
+    """One counter of a cgroup's memory.stat; 0 when it cannot be read."""
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
 
 
 def _read_int(path: Path) -> int | None:

@@ -28,6 +28,8 @@ import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kvchat.config.home import kvchat_home, private_folder
+
 from .cancel import Cancelled
 
 # Model files are local; transformers must never try to reach a hub while converting a GGUF.
@@ -469,7 +471,7 @@ def _read_gguf_cached(path: Path) -> _TokenizerParts:
 def _cache_file(path: Path) -> Path:
     stat = path.stat()
     key = f"{_CACHE_FORMAT}\0{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    home = Path(os.environ.get("KVCHAT_HOME") or "~/.kvchat").expanduser()
+    home = kvchat_home()
     digest = hashlib.sha256(key.encode()).hexdigest()[:32]
     return home / "cache" / "tokenizers" / f"{digest}.json"
 
@@ -510,8 +512,6 @@ def _write_atomically(path: Path, text: str) -> None:
     """Best effort: a cache that cannot be written only costs the next load a few seconds.
     The folders made are 0700 and the file 0600 (NamedTemporaryFile's mode): the cache
     names the models the user runs."""
-    from kvchat.config.home import private_folder
-
     tmp: str | None = None
     try:
         private_folder(path.parent)

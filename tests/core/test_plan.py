@@ -140,7 +140,9 @@ def _fake_cgroups(tmp_path, monkeypatch, proc_line: str, files: dict[str, str]) 
             "0::/user.slice/kvchat.scope",
             {
                 "user.slice/kvchat.scope/memory.max": str(600 << 20),
-                "user.slice/kvchat.scope/memory.current": str(500 << 20),
+                "user.slice/kvchat.scope/memory.current": str(700 << 20),
+                # 200 MiB of the usage is page cache the kernel can take back first.
+                "user.slice/kvchat.scope/memory.stat": f"file 9\ninactive_file {200 << 20}",
             },
         ),
         (  # cgroup v2: a limit on an ancestor applies as well
@@ -162,9 +164,7 @@ def _fake_cgroups(tmp_path, monkeypatch, proc_line: str, files: dict[str, str]) 
     ],
     ids=["v2", "v2-ancestor", "v1"],
 )
-def test_a_cgroup_limit_makes_the_plan_refuse(
-    tmp_path, monkeypatch, engine_fp32, proc_line, files
-):
+def test_a_cgroup_limit_makes_the_plan_refuse(tmp_path, monkeypatch, engine_fp32, proc_line, files):
     engine_fp32.check_fits(4096, 16)  # fits the host
     _fake_cgroups(tmp_path, monkeypatch, proc_line, files)
     assert memory.available_memory() == 100 << 20
@@ -177,7 +177,12 @@ def test_no_cgroup_limit_leaves_the_host_figure(tmp_path, monkeypatch):
     _fake_cgroups(
         tmp_path,
         monkeypatch,
-        "0::/",
-        {"memory.max": "max", "memory.current": "1", "memory/memory.limit_in_bytes": str(2**63)},
+        "0::/\n9:memory:/",
+        {
+            "memory.max": "max",
+            "memory.current": "1",
+            "memory/memory.limit_in_bytes": str(2**63 - 4096),
+            "memory/memory.usage_in_bytes": "1",
+        },
     )
     assert memory._cgroup_room() == []  # "max" and v1's 2^63 are no limit
