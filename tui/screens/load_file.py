@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
@@ -25,8 +24,7 @@ class LoadFileScreen(ModalScreen[Path | None]):
         with Vertical(id="load-dialog"):
             yield Label("Load a document: pick a file or type its path, then Enter")
             tree = DirectoryTree(self.root, id="load-tree")
-            # Text, not a str: a str label is read as markup, and a folder may be named [b].
-            tree.root.set_label(Text(home_relative(self.root)))
+            tree.root.set_label(home_relative(self.root))
             yield tree
             yield Input(placeholder="path/to/file.txt", id="load-path")
 

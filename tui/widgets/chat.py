@@ -87,7 +87,7 @@ class ChatPane(VerticalScroll):
         return message
 
     async def add_user(self, text: str) -> Question:
-        # A question is shown as typed, not interpreted as Markdown markup beyond paragraphs.
+        # The question as typed, rendered as Markdown like the replies (it is the user's own).
         question = Question(text)
         await self.add(question)
         return question
