@@ -1,5 +1,5 @@
 """Private by default: what kvchat writes for the user (settings, conversations, exports,
-caches) only the user can read, whatever the umask."""
+caches, KV snapshots) only the user can read, whatever the umask."""
 
 from __future__ import annotations
 
@@ -12,10 +12,13 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvchat.config import Settings, default_config_path, save_settings
 from kvchat.core.history import DB_NAME, History, SavedMessage, export_markdown
+from kvchat.core.snapshot import SUFFIX, SnapshotStore, snapshot_dir
 from kvchat.core.tokenizer import _cache_file, _write_atomically
+from kvchat.kv.state import CacheState
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="POSIX file modes")
 
@@ -55,10 +58,13 @@ def test_everything_kvchat_writes_is_private_under_the_usual_umask(tmp_path, mon
             export_markdown(history.load(cid))
             elsewhere = export_markdown(history.load(cid), tmp_path / "chats" / "mine.md")
             _write_atomically(_cache_file(model), "{}")
+            state = CacheState({"length": 2}, {"x": torch.zeros(64)})
+            SnapshotStore(snapshot_dir(), 1 << 30).save(state, [1, 2], torch.zeros(4), "m", "m", {})
             written = [home, *home.rglob("*")]
             names = {path.name for path in written}
             assert {"config.yaml", DB_NAME, f"{DB_NAME}-wal", f"{DB_NAME}-shm"} <= names
-            assert {"exports", "cache", "tokenizers"} <= names
+            assert {"exports", "cache", "tokenizers", "snapshots"} <= names
+            assert len(list(snapshot_dir().glob(f"*{SUFFIX}"))) == 1
             assert len(list((home / "exports").iterdir())) == 1
             assert len(list((home / "cache" / "tokenizers").iterdir())) == 1
             assert _open_to_others([*written, elsewhere, elsewhere.parent]) == {}
