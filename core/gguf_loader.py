@@ -13,6 +13,7 @@ from gguf.quants import dequantize
 
 from .gguf_header import read_gguf_header
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, UnsupportedModelError
+from .terminal_text import terminal_safe
 from .weights import Int4Groups, Int8Groups, ModelWeights, WeightsError, expected_shapes
 
 T = GGMLQuantizationType
@@ -188,7 +189,8 @@ def config_from_gguf(
                 if key in metadata
             )
         ),
-        name=str(metadata.get("general.name") or path.stem),
+        # Printed by `kvchat plan` and shown in the app: the file's text, never its controls.
+        name=terminal_safe(str(metadata.get("general.name") or path.stem)),
     )
 
 

@@ -66,6 +66,7 @@ from kvchat.kv.state import CacheState
 
 from .gguf_header import read_gguf_header
 from .model_config import ModelConfig
+from .terminal_text import terminal_safe
 
 FORMAT_VERSION = 1
 # What a prefill leaves in a cache and how a backend exports it (kv/sparse.py, kv/dense.py,
@@ -467,7 +468,7 @@ class SnapshotStore:
             base,
             tokens=header["tokens"],
             model_id=header["model"]["id"],
-            model_name=header["model"]["name"],
+            model_name=terminal_safe(header["model"]["name"]),  # listed and warned about
             settings=header["settings"],
             prefill_tok_s=header.get("prefill_tok_s"),
             created=header["created"],

@@ -25,8 +25,8 @@ from kvchat.core.snapshot import (
     format_size,
     snapshot_dir,
 )
+from kvchat.core.terminal_text import terminal_safe
 from kvchat.native import BuildProgress, build_reports
-from kvchat.tui.terminal_text import terminal_safe
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130

@@ -701,3 +701,9 @@ def test_a_block_count_beyond_the_tensors_is_refused(tmp_path):
     path = write_model(tmp_path / "m.gguf", random_model(), metadata=meta)
     with pytest.raises(WeightsError, match=r"block_count says 1000000 layers, .* tensors for 2"):
         load_gguf(path)
+
+
+def test_a_model_name_never_carries_terminal_controls(tmp_path):
+    meta = {"general.name": "tiny \x1b]0;owned\x07 \x9b2J model"}
+    path = write_model(tmp_path / "m.gguf", random_model(), metadata=meta)
+    assert load_gguf(path).config.name == "tiny ]0;owned 2J model"

@@ -8,8 +8,8 @@ from __future__ import annotations
 import io
 import os
 
+from kvchat.core.terminal_text import terminal_safe
 from kvchat.tui.cli import write_reply
-from kvchat.tui.terminal_text import terminal_safe
 
 OSC52 = "\x1b]52;c;aGk=\x07"  # "write 'hi' to the clipboard", as a terminal reads it
 

@@ -9,8 +9,8 @@ from textual.containers import VerticalScroll
 from textual.widgets import Markdown
 from textual.widgets.markdown import MarkdownStream
 
+from kvchat.core.terminal_text import terminal_safe
 from kvchat.tui.messages import DocumentInfo
-from kvchat.tui.terminal_text import terminal_safe
 
 STOPPED_MARK = "\n\n*[stopped]*"
 NO_ANSWER_MARK = "\n\n*[no answer]*"

@@ -1,4 +1,5 @@
-"""Text a terminal shows rather than obeys: what kvchat writes of documents and replies."""
+"""Text a terminal shows rather than obeys: what kvchat shows of documents, replies and model
+files."""
 
 from __future__ import annotations
 
