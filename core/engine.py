@@ -617,7 +617,7 @@ class Engine:
     def encode_document(
         self,
         doc: Document,
-        on_progress: Callable[[int, int], None] | None = None,
+        on_progress: ProgressFn | None = None,
         cancel: threading.Event | None = None,
     ) -> list[int]:
         """The ids of `doc`; tokenizing stops, refusing the document, as soon as they pass
