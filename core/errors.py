@@ -12,7 +12,6 @@ from kvchat.native.cpu import CpuLevelError
 from .documents import DocumentError
 from .model_config import UnsupportedModelError
 from .plan import PlanRefusedError
-from .prose import ProseMissingError
 from .snapshot import SnapshotError
 from .tokenizer import TokenizerError
 from .weights import WeightsError
@@ -26,5 +25,4 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     TokenizerError,
     SnapshotError,
     CpuLevelError,
-    ProseMissingError,
 )

@@ -12,11 +12,11 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TextIO
 
+from kvchat.bench.needles import Task, ValueKind
 from kvchat.config import load_settings, settings_to_yaml
 from kvchat.core.cancel import Cancelled
 from kvchat.core.documents import DocumentError, check_document
 from kvchat.core.errors import USER_ERRORS
-from kvchat.core.niah import Task, ValueKind
 from kvchat.core.snapshot import (
     PrefillReport,
     SnapshotError,
@@ -258,7 +258,7 @@ def _parse_size(text: str) -> int:
 
 
 def _parse_baselines(text: str) -> list:
-    from kvchat.core.baselines import BaselineName
+    from kvchat.bench.baselines import BaselineName
 
     names = [part.strip() for part in text.split(",") if part.strip()]
     known = ", ".join(b.value for b in BaselineName)
@@ -284,7 +284,7 @@ def _parse_depths(text: str) -> int | list[float]:
     """A count of evenly spaced depths ("5") or the depths themselves ("0.25,0.5,0.75")."""
     if "," not in text and "." not in text:
         return _positive(text)
-    from kvchat.core.bench_grid import depth_grid
+    from kvchat.bench.grid import depth_grid
 
     try:
         return depth_grid([float(part) for part in text.split(",")])
@@ -306,85 +306,16 @@ def _prefill_lines() -> Callable[[int, int], None]:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from kvchat.bench.command import BENCH_ERRORS, run_bench
+
     settings = _load(args).settings
-    if args.what == "speed":
-        from kvchat.core.baselines import BaselineMissingError, BaselineName
-        from kvchat.core.bench_speed import run_speed_bench
-
-        skip = {BaselineName.TRANSFORMERS} if args.no_transformers else set()
-        try:
-            result = run_speed_bench(
-                settings,
-                args.contexts or _parse_contexts("1k,4k,8k"),
-                model_spec=args.model,
-                decode_tokens=args.decode_tokens,
-                baselines=[b for b in args.baseline if b not in skip],
-                compare_dense=args.compare_dense,
-                log=lambda msg: print(msg, file=sys.stderr),
-            )
-        except BaselineMissingError as e:
-            print(f"kvchat: error: {e}", file=sys.stderr)
-            return EXIT_USAGE
-    elif args.what == "snapshot":
-        from kvchat.core.bench_snapshot import run_snapshot_bench
-
-        result = run_snapshot_bench(
-            settings,
-            args.tokens or 32 * 1024,
-            model_spec=args.model,
-            log=lambda msg: print(msg, file=sys.stderr),
+    try:
+        result = run_bench(
+            args, settings, on_prefill=_prefill_lines(), log=lambda m: print(m, file=sys.stderr)
         )
-    elif args.what == "passkey":
-        from kvchat.core.bench_passkey import run_passkey_bench
-
-        result = run_passkey_bench(
-            settings,
-            args.lengths,
-            5 if args.depths is None else args.depths,
-            trials=args.trials or 1,
-            model_spec=args.model,
-            compare_dense=args.compare_dense,
-            on_progress=_prefill_lines(),
-            seed=args.seed,
-        )
-    elif args.what == "niah":
-        from kvchat.core.bench_niah import DEFAULT_DEPTHS, run_niah_bench
-        from kvchat.core.niah import TaskSpec
-        from kvchat.core.prose import load_prose
-
-        result = run_niah_bench(
-            settings,
-            TaskSpec(args.task, args.needle),
-            args.lengths,
-            DEFAULT_DEPTHS if args.depths is None else args.depths,
-            trials=args.trials or 2,
-            model_spec=args.model,
-            compare_dense=args.compare_dense,
-            prose=load_prose(args.haystack),
-            on_progress=_prefill_lines(),
-            seed=args.seed,
-        )
-    elif args.what == "gpu":
-        from kvchat.core.bench_gpu import GpuRequiredError, run_gpu_bench
-
-        try:
-            result = run_gpu_bench(
-                settings,
-                dry_run=args.dry_run,
-                contexts=tuple(args.contexts) if args.contexts else None,
-                decode_tokens=args.decode_tokens,
-                log=lambda msg: print(msg, file=sys.stderr),
-            )
-        except GpuRequiredError as e:
-            print(f"kvchat: error: {e}", file=sys.stderr)
-            return EXIT_USAGE
-    else:
-        from kvchat.core.bench_tokenize import tokenize_benchmark
-        from kvchat.core.tokenizer import load_tokenizer
-        from kvchat.core.weights import resolve_model_path
-
-        tokenizer = load_tokenizer(resolve_model_path(args.model or settings.model.path))
-        result = tokenize_benchmark(tokenizer, args.tokens or 1_000_000)
+    except BENCH_ERRORS as e:
+        print(f"kvchat: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     text = json.dumps(result, indent=2)
     print(text)
     if args.json:

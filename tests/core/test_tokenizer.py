@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.core.bench_tokenize import tokenize_benchmark
+from kvchat.bench.tokenizer_speed import tokenize_benchmark
 from kvchat.core.cancel import Cancelled
 from kvchat.core.conversation import Conversation
 from kvchat.core.tokenizer import Tokenizer, TokenizerError, _split_pieces, load_tokenizer

@@ -2,8 +2,8 @@
 
 tests/conftest.py sets TRITON_INTERPRET=1 before any kernel module is imported. The
 interpreter is slow (shapes are tiny) and wrong in bf16, so fp32 and fp16 are tested here;
-`kvchat bench gpu` runs the same checks (kv/kernel_checks.py) on a GPU in bf16 too.
-Tolerances (kv/kernel_checks.py): attention outputs 1e-4 (fp32) / 4e-3 (fp16) absolute
+`kvchat bench gpu` runs the same checks (bench/kernel_checks.py) on a GPU in bf16 too.
+Tolerances (bench/kernel_checks.py): attention outputs 1e-4 (fp32) / 4e-3 (fp16) absolute
 against the reference in fp32 on the same rounded inputs, LSE 1e-3, scores 1e-4 relative,
 quantized append bit-exact.
 """
@@ -18,7 +18,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kvchat.kv import kernel_checks as checks  # noqa: E402
+from kvchat.bench import kernel_checks as checks  # noqa: E402
 from kvchat.kv.anchors import ANCHOR_TYPES  # noqa: E402
 from kvchat.kv.kernels import TORCH_OPS, attention_ops, gather_blocks  # noqa: E402
 from kvchat.kv.quant import KV_TYPES, BlockPool  # noqa: E402
@@ -165,7 +165,7 @@ def test_kvchat_imports_and_runs_without_triton():
     # A fresh interpreter where `import triton` fails, as on a CPU-only torch install.
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import kvchat.core.engine, kvchat.kv.kernel_checks\n"
+        "import kvchat.core.engine, kvchat.bench.kernel_checks\n"
         "from kvchat.kv.kernels import attention_ops, TORCH_OPS\n"
         "assert attention_ops('cpu') is TORCH_OPS\n"
         "try:\n"

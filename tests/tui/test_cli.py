@@ -30,7 +30,7 @@ def run_cli(
 
 
 def test_passkey_in_a_3k_token_haystack(tmp_path, smollm_path):
-    from kvchat.core.haystack import (
+    from kvchat.bench.haystack import (
         PASSKEY_QUESTION,
         answer_is_correct,
         make_passkey_document,
@@ -217,7 +217,7 @@ def test_a_kernel_build_is_shown_on_stderr(twice_source, monkeypatch):
 
 def test_core_and_kv_do_not_import_textual():
     code = (
-        "import sys, kvchat.core.engine, kvchat.core.bench_speed, kvchat.kv.dense;"
+        "import sys, kvchat.core.engine, kvchat.bench.speed, kvchat.kv.dense;"
         "bad = [m for m in sys.modules if m == 'textual' or m.startswith('textual.')];"
         "print(bad); sys.exit(1 if bad else 0)"
     )

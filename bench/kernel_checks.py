@@ -18,10 +18,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from .anchors import ANCHOR_TYPES, anchor_dtype, anchor_rows
-from .kernels import TORCH_OPS, AttentionOps, gather_blocks
-from .quant import KV_TYPES, BlockPool
-from .selection import HEAD_SELECT_MODES
+from kvchat.kv.anchors import ANCHOR_TYPES, anchor_dtype, anchor_rows
+from kvchat.kv.kernels import TORCH_OPS, AttentionOps, gather_blocks
+from kvchat.kv.quant import KV_TYPES, BlockPool
+from kvchat.kv.selection import HEAD_SELECT_MODES
 
 # Max |kernel - reference| for attention outputs of O(1) (values are standard normal).
 OUT_TOL = {torch.float32: 1e-4, torch.float16: 4e-3, torch.bfloat16: 2.5e-2}

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kvchat.core.bench_gpu import (
+from kvchat.bench.gpu import (
     LLAMA3_8B,
     TINY_LLAMA,
     CacheShape,

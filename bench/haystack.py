@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import re
 
-from .tokenizer import Tokenizer
+from kvchat.core.tokenizer import Tokenizer
 
 # Asking for the number alone matters for small models: SmolLM2-135M answers "What is the pass
 # key?" with a made-up definition of a pass key, and this phrasing with the number (measured

@@ -1,6 +1,6 @@
 """`kvchat bench niah`: needles in natural prose (RULER's tasks) over lengths and depths.
 
-Each cell builds a document of prose (core/prose.py) with the task's needles, prefills it and
+Each cell builds a document of prose (bench/prose.py) with the task's needles, prefills it and
 then the question as two passes (as `kvchat ask` and the app do), and answers greedily. Beside
 the answer it records where the asked needles' blocks were selected: by the question's pass,
 by the first answer token, and over the whole answer. `compare_dense` runs the same cells with
@@ -16,8 +16,11 @@ from collections.abc import Sequence
 from dataclasses import asdict
 
 from kvchat.config import Settings
+from kvchat.core.engine import Engine, ProgressFn
+from kvchat.core.tokenizer import load_tokenizer
+from kvchat.core.weights import resolve_model_path
 
-from .bench_grid import (
+from .grid import (
     Log,
     depth_grid,
     engine_facts,
@@ -29,11 +32,8 @@ from .bench_grid import (
     run_beside_dense,
     timings,
 )
-from .engine import Engine, ProgressFn
-from .niah import TaskSpec, found, make_problem
+from .needles import TaskSpec, found, make_problem
 from .prose import Haystack, Prose, news
-from .tokenizer import load_tokenizer
-from .weights import resolve_model_path
 
 DEFAULT_DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 _SNIPPET_CHARS = 40

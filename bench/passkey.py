@@ -16,8 +16,11 @@ from collections.abc import Sequence
 from functools import partial
 
 from kvchat.config import Settings
+from kvchat.core.engine import Engine, ProgressFn
+from kvchat.core.tokenizer import load_tokenizer
+from kvchat.core.weights import resolve_model_path
 
-from .bench_grid import (
+from .grid import (
     Log,
     depth_grid,
     engine_facts,
@@ -29,10 +32,7 @@ from .bench_grid import (
     run_beside_dense,
     timings,
 )
-from .engine import Engine, ProgressFn
 from .haystack import PASSKEY_QUESTION, answer_is_correct, make_passkey_document, random_passkey
-from .tokenizer import load_tokenizer
-from .weights import resolve_model_path
 
 MAX_NEW_TOKENS = 16
 _SNIPPET_CHARS = 24

@@ -4,7 +4,7 @@ Sections, each recorded even when another fails:
 1. bandwidth: a device-to-device copy (HBM roofline) and a pinned host-to-device copy (PCIe
    roofline), measured in the same run as everything else;
 2. correctness: every Triton kernel against the torch reference on the GPU
-   (kv/kernel_checks.py: bf16, fp16 and fp32; every kv_type, anchor type, GQA 1/3/4/8);
+   (bench/kernel_checks.py: bf16, fp16 and fp32; every kv_type, anchor type, GQA 1/3/4/8);
 3. speed: prefill and decode tok/s at each context size for a Llama-3-8B-shaped model with
    random bf16 weights and for the bundled SmolLM2, with the bytes each decoded token moves
    over HBM and PCIe and their fractions of the measured rooflines.
@@ -29,6 +29,9 @@ import psutil
 import torch
 
 from kvchat.config import LongContextSettings, Settings
+from kvchat.core.model import Transformer
+from kvchat.core.model_config import ModelConfig, RopeScaling
+from kvchat.core.weights import ModelWeights, expected_shapes, load_weights, resolve_model_path
 from kvchat.kv.anchors import anchor_dtype, anchor_rows, block_anchors
 from kvchat.kv.backend import check_capacity
 from kvchat.kv.cuda_tier import DeviceBlockTier
@@ -36,10 +39,6 @@ from kvchat.kv.kernels import AttentionOps, attention_ops
 from kvchat.kv.positions import RopeTables, rotate
 from kvchat.kv.quant import KV_TYPES, BlockPool, bytes_per_token
 from kvchat.native.cpu import cpu_name
-
-from .model import Transformer
-from .model_config import ModelConfig, RopeScaling
-from .weights import ModelWeights, expected_shapes, load_weights, resolve_model_path
 
 Log = Callable[[str], None]
 
@@ -85,7 +84,7 @@ MEASURED = (
     "prefilled through the model (prefill_tok_s: attention to the local window, the sink block "
     "and the selected blocks; completed blocks quantized into the host store); then "
     "decode_tokens greedy tokens are decoded (decode_tok_s, after 2 untimed tokens). The cache "
-    "is core/bench_gpu.py's FilledSparseCache, a benchmark fixture and not the engine's "
+    "is bench/gpu.py's FilledSparseCache, a benchmark fixture and not the engine's "
     "SparseBackend: block store in host DRAM, a device block tier (LRU, 2 selections per layer) "
     "in front of it, top second_select_num blocks per layer by anchor score (SHARED), Triton "
     "kernels. Not modelled: dense layers, preselection, layer_step / token_step reuse, DYNAMIC "
@@ -569,7 +568,7 @@ def run_gpu_bench(
         )
 
     def correctness() -> dict:
-        from kvchat.kv.kernel_checks import run_all
+        from kvchat.bench.kernel_checks import run_all
 
         dtypes = [torch.float32] if dry_run else [torch.bfloat16, torch.float16, torch.float32]
         results = run_all(ops, device, dtypes, large=not dry_run)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from kvchat.bench.needles import Task, TaskSpec
+from kvchat.bench.niah import run_niah_bench
 from kvchat.config import load_settings
-from kvchat.core.bench_niah import run_niah_bench
-from kvchat.core.niah import Task, TaskSpec
 from kvchat.tui.cli import main
 
 

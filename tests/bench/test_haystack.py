@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.core.haystack import (
+from kvchat.bench.haystack import (
     PASSKEY_QUESTION,
     answer_is_correct,
     make_passkey_document,

@@ -6,7 +6,7 @@ import random
 import time
 from importlib import resources
 
-from .tokenizer import Tokenizer
+from kvchat.core.tokenizer import Tokenizer
 
 
 def tokenize_benchmark(tokenizer: Tokenizer, n_tokens: int) -> dict[str, float | int]:
@@ -27,7 +27,7 @@ def _benchmark_text(tokenizer: Tokenizer, n_tokens: int) -> str:
     """The bundled sample's paragraphs in a seeded random order, each under a numbered
     heading, so the text does not repeat one block verbatim (which would flatter the
     tokenizer's word cache less realistically than prose does)."""
-    sample = resources.files(__package__).joinpath("data", "sample.txt").read_text("utf-8")
+    sample = resources.files("kvchat.core").joinpath("data", "sample.txt").read_text("utf-8")
     paragraphs = [p for p in sample.split("\n\n") if p.strip()]
     # Measured with a typical heading and the blank lines that join parts.
     sizes = [len(tokenizer.encode(f"Section 1000.\n\n{p}\n\n")) for p in paragraphs]

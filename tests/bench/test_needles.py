@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from kvchat.core.niah import Task, TaskSpec, ValueKind, found, make_problem
+from kvchat.bench.needles import Task, TaskSpec, ValueKind, found, make_problem
 
 
 @pytest.mark.parametrize("kind", list(ValueKind))

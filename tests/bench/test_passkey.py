@@ -6,9 +6,9 @@ import json
 
 import pytest
 
+from kvchat.bench.grid import depth_grid
+from kvchat.bench.passkey import cell_passkey, run_passkey_bench
 from kvchat.config import load_settings
-from kvchat.core.bench_grid import depth_grid
-from kvchat.core.bench_passkey import cell_passkey, run_passkey_bench
 from kvchat.core.engine import Engine
 from kvchat.core.plan import PlanRefusedError
 from kvchat.tui.cli import _parse_depths, main

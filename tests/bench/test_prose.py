@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.core import prose
+from kvchat.bench import prose
+from kvchat.bench.prose import Haystack, Needle, ProseMissingError, load_prose
 from kvchat.core.documents import DocumentError
-from kvchat.core.prose import Haystack, Needle, ProseMissingError, load_prose
 from kvchat.core.tokenizer import Tokenizer, load_tokenizer
 from kvchat.core.weights import resolve_model_path
 

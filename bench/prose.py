@@ -25,10 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .documents import DocumentError, read_document
+from kvchat.core.documents import DocumentError, read_document
 
 if TYPE_CHECKING:
-    from .tokenizer import Tokenizer
+    from kvchat.core.tokenizer import Tokenizer
 
 NEWS = "news"
 PYTHON_DOCS = "python-docs"

@@ -19,11 +19,11 @@ from pathlib import Path
 import torch
 
 from kvchat.config import Settings
+from kvchat.core.engine import Engine
+from kvchat.core.snapshot import PrefillReport
 from kvchat.native.cpu import cpu_name
 
-from .engine import Engine
 from .haystack import PASSKEY_QUESTION, answer_is_correct, make_passkey_document
-from .snapshot import PrefillReport
 
 Log = Callable[[str], None]
 

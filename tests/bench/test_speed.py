@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from kvchat.bench.speed import WARMUP_TOKENS, memory_copy_rate, run_speed_bench
 from kvchat.config import load_settings
-from kvchat.core.bench_speed import WARMUP_TOKENS, memory_copy_rate, run_speed_bench
 from kvchat.native.cpu import cpu_name
 
 SMALL = [
@@ -67,7 +67,7 @@ def test_memory_copy_rate_is_a_plausible_bandwidth():
 def test_llama_cpp_runs_beside_kvchat_on_the_same_gguf():
     """Where the optional extra is installed: llama.cpp's rates and kvchat's ratios to them."""
     pytest.importorskip("llama_cpp")
-    from kvchat.core.baselines import BaselineName
+    from kvchat.bench.baselines import BaselineName
 
     settings = load_settings(overrides=SMALL).settings
     result = run_speed_bench(

@@ -1,6 +1,6 @@
 """`kvchat bench speed`: prefill and decode tok/s of our engine and of baselines, one run.
 
-The baselines (transformers, llama.cpp: core/baselines.py) run in this process on the same
+The baselines (transformers, llama.cpp: bench/baselines.py) run in this process on the same
 weights, the same prompt and the same threads, so the ratio between them is meaningful on a
 shared, noisy machine even when the absolute numbers wander.
 """
@@ -15,12 +15,12 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from kvchat.config import Settings
+from kvchat.core.engine import Engine, Session
+from kvchat.core.memory import peak_rss, process_rss, reset_peak_rss
 from kvchat.native.cpu import cpu_name
 
 from .baselines import BaselineName, load_baseline
-from .engine import Engine, Session
 from .haystack import make_passkey_document
-from .memory import peak_rss, process_rss, reset_peak_rss
 
 Log = Callable[[str], None]
 # Decode steps run before the clock starts: the first step after a prefill builds the kernels'

@@ -13,12 +13,11 @@ import psutil
 import torch
 
 from kvchat.config import GenerationSettings, Settings
+from kvchat.core.engine import Engine, EngineStats
+from kvchat.core.plan import PlanRefusedError
+from kvchat.core.tokenizer import Tokenizer
 from kvchat.kv.backend import CacheStats
 from kvchat.native.cpu import cpu_name
-
-from .engine import Engine, EngineStats
-from .plan import PlanRefusedError
-from .tokenizer import Tokenizer
 
 Log = Callable[[str], None]
 # One cell: (engine, length, depth, trial) -> its JSON row, with at least "ok".
@@ -56,7 +55,7 @@ def fitting_settings(
 ) -> Settings:
     """Raise long_context.max_seq_len (never lower it) so the longest prompt plus the reply
     fit."""
-    from .conversation import Conversation
+    from kvchat.core.conversation import Conversation
 
     overhead = len(Conversation(document_ids=[0]).prompt_ids(tokenizer, question)) - 1
     needed = int(longest * (1 + LENGTH_SLACK_SHARE)) + LENGTH_SLACK + overhead + max_new_tokens
