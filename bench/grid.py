@@ -12,7 +12,7 @@ from dataclasses import asdict, replace
 import psutil
 import torch
 
-from kvchat.config import GenerationSettings, Settings
+from kvchat.config import AttentionMode, GenerationSettings, Settings
 from kvchat.core.engine import Engine, EngineStats
 from kvchat.core.plan import PlanRefusedError
 from kvchat.core.tokenizer import Tokenizer
@@ -68,7 +68,7 @@ def fitting_settings(
 def needle_blocks(engine: Engine, document: str, needles: Sequence[str]) -> list[int] | None:
     """The cache blocks that hold the first characters of each needle string (None for the
     dense cache)."""
-    if engine.settings.long_context.attention == "dense":
+    if engine.settings.long_context.attention == AttentionMode.DENSE:
         return None
     tokenizer = engine.tokenizer
     block = engine.settings.long_context.block_size
@@ -216,7 +216,7 @@ def dense_twin(engine: Engine) -> Engine:
     """The same loaded weights with dense attention."""
     lc = engine.settings.long_context
     return engine.with_settings(
-        replace(engine.settings, long_context=replace(lc, attention="dense"))
+        replace(engine.settings, long_context=replace(lc, attention=AttentionMode.DENSE))
     )
 
 

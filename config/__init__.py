@@ -1,6 +1,18 @@
 """kvchat settings: the typed schema, the packaged default YAML, and load / merge /
 validate / save of the user's file ($KVCHAT_HOME/config.yaml, default ~/.kvchat)."""
 
+from .docs import settings_markdown
+from .enums import (
+    WHOLE_BLOCK_ANCHOR_TYPES,
+    AnchorType,
+    AttentionMode,
+    HeadSelectMode,
+    KvType,
+    ModelDevice,
+    ModelDtype,
+    PositionMode,
+    Theme,
+)
 from .errors import ConfigError
 from .home import kvchat_home
 from .overrides import apply_overrides
@@ -28,15 +40,24 @@ from .validate import validate_settings
 from .yamltext import settings_to_yaml
 
 __all__ = [
+    "WHOLE_BLOCK_ANCHOR_TYPES",
+    "AnchorType",
+    "AttentionMode",
     "CacheSettings",
     "ConfigError",
     "FieldSpec",
     "GenerationSettings",
+    "HeadSelectMode",
     "KeySettings",
+    "KvType",
     "LoadedSettings",
     "LongContextSettings",
+    "ModelDevice",
+    "ModelDtype",
     "ModelSettings",
+    "PositionMode",
     "Settings",
+    "Theme",
     "UISettings",
     "apply_overrides",
     "changed_keys",
@@ -47,6 +68,7 @@ __all__ = [
     "save_changes",
     "save_settings",
     "schema_fields",
+    "settings_markdown",
     "settings_to_yaml",
     "validate_settings",
 ]

@@ -2,13 +2,26 @@
 commented YAML and any generated settings screen.
 
 Each setting is declared once, with `setting(...)`; its Python annotation is its type
-and its metadata holds the help text and the allowed values. Nothing else in the
-package names an individual key except the cross-field rules in validate.py.
+and its metadata holds the help text and the range. An enumerated setting is annotated
+with its StrEnum (config/enums.py), whose members are its allowed values. Nothing else in
+the package names an individual key except the cross-field rules in validate.py.
 """
 
 import dataclasses
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
+
+from .enums import (
+    AnchorType,
+    AttentionMode,
+    HeadSelectMode,
+    KvType,
+    ModelDevice,
+    ModelDtype,
+    PositionMode,
+    Theme,
+)
 
 
 def setting(
@@ -17,11 +30,11 @@ def setting(
     *,
     min: float | None = None,
     max: float | None = None,
-    choices: tuple[str, ...] | None = None,
     multiple_of: int | None = None,
 ) -> Any:
-    """A dataclass field carrying its help text and allowed values."""
-    meta = {"help": help, "min": min, "max": max, "choices": choices, "multiple_of": multiple_of}
+    """A dataclass field carrying its help text and range (an enum-typed field's allowed
+    values are its enum's members)."""
+    meta = {"help": help, "min": min, "max": max, "multiple_of": multiple_of}
     return field(default=default, metadata=meta)
 
 
@@ -38,7 +51,7 @@ class FieldSpec:
     type: type
     default: Any
     help: str
-    choices: tuple[str, ...] | None = None
+    choices: tuple[StrEnum, ...] | None = None  # the members of `type` when it is a StrEnum
     min: float | None = None
     max: float | None = None
     multiple_of: int | None = None
@@ -72,18 +85,16 @@ class ModelSettings:
         "Model to load: the name of a bundled model, a path to a .gguf file, "
         "or a Hugging Face model folder (config.json + *.safetensors + tokenizer).",
     )
-    dtype: str = setting(
-        "auto",
+    dtype: ModelDtype = setting(
+        ModelDtype.AUTO,
         "Activation and KV cache dtype: bfloat16 for speed and half the memory, float32 for "
         "exact results; auto is bfloat16 on every device (CPUs without bf16 hardware run "
         "the large products in float32 on the widened values).",
-        choices=("auto", "float32", "bfloat16"),
     )
-    device: str = setting(
-        "auto",
+    device: ModelDevice = setting(
+        ModelDevice.AUTO,
         "Where the model computes: cuda (an NVIDIA GPU), cpu, or auto (cuda when one is "
         "available, else cpu).",
-        choices=("auto", "cpu", "cuda"),
     )
     threads: int = setting(
         0,
@@ -193,19 +204,17 @@ class LongContextSettings:
         min=0,
         max=1024,
     )
-    anchor_type: str = setting(
-        "QUEST",
+    anchor_type: AnchorType = setting(
+        AnchorType.QUEST,
         "How a block's anchors (representative keys) are made: DYNAMIC = its anchor_num "
         "most-attended keys, FIXED = anchor_num keys at even intervals, BLOCK_MEAN = the mean "
         "key, BLOCK_MAX = the element-wise max key, QUEST = element-wise min and max keys "
-        "(the default: the best passkey recall measured, see the README).",
-        choices=("DYNAMIC", "FIXED", "BLOCK_MEAN", "BLOCK_MAX", "QUEST"),
+        "(the default: the best passkey recall measured, docs/quality.md).",
     )
-    kv_type: str = setting(
-        "FP16",
+    kv_type: KvType = setting(
+        KvType.FP16,
         "Storage format of the blocks in DRAM: FP16, or INT8 / INT4 quantized per block "
         "(2x / 4x smaller than FP16, slightly less accurate).",
-        choices=("FP16", "INT8", "INT4"),
     )
     dense_layer_num: int = setting(
         0,
@@ -227,11 +236,10 @@ class LongContextSettings:
         "After prefill, preselect once the preselect_block_count blocks the end of the "
         "prompt attends to most (as SnapKV does); later selections choose only among them.",
     )
-    head_select_mode: str = setting(
-        "SHARED",
+    head_select_mode: HeadSelectMode = setting(
+        HeadSelectMode.SHARED,
         "SHARED = all KV heads of a layer select the same blocks (scores summed over heads); "
         "SEPARATE = each KV head selects its own blocks.",
-        choices=("SHARED", "SEPARATE"),
     )
     preselect_block_count: int = setting(
         32,
@@ -253,25 +261,23 @@ class LongContextSettings:
         min=1,
         max=1024,
     )
-    attention: str = setting(
-        "sparse",
+    attention: AttentionMode = setting(
+        AttentionMode.SPARSE,
         "sparse = each query attends to the sinks, the local window and the selected blocks "
         "(bounded cost per token, and with position_mode extrapolate the model answers far "
         "past its trained context); dense = to the whole KV cache (exact, slow on long texts).",
-        choices=("dense", "sparse"),
     )
-    position_mode: str = setting(
-        "auto",
+    position_mode: PositionMode = setting(
+        PositionMode.AUTO,
         "Positions past the trained context: native = true positions (model must be trained "
         "for the length), extrapolate = InfLLM-style fixed distance to retrieved blocks, "
         "auto = the planner picks per session.",
-        choices=("auto", "native", "extrapolate"),
     )
 
 
 @dataclass(frozen=True)
 class UISettings:
-    theme: str = setting("dark", "Colour theme of the app.", choices=("dark", "light"))
+    theme: Theme = setting(Theme.DARK, "Colour theme of the app.")
     stats_refresh_hz: float = setting(
         4.0,
         "How many times per second the live panels poll the engine statistics.",
@@ -348,13 +354,17 @@ def schema_fields(section_cls: type) -> list[FieldSpec]:
             type=f.type,
             default=f.default,
             help=f.metadata["help"],
-            choices=f.metadata["choices"],
+            choices=tuple(f.type) if _is_enum(f.type) else None,
             min=f.metadata["min"],
             max=f.metadata["max"],
             multiple_of=f.metadata["multiple_of"],
         )
         for f in dataclasses.fields(section_cls)
     ]
+
+
+def _is_enum(annotation: Any) -> bool:
+    return isinstance(annotation, type) and issubclass(annotation, StrEnum)
 
 
 def sections() -> list[tuple[str, type, str]]:

@@ -14,11 +14,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
+from .enums import WHOLE_BLOCK_ANCHOR_TYPES
 from .errors import ConfigError
 from .schema import FieldSpec, Settings, schema_fields, sections
-
-# Anchor types that summarise a block in one vector (or one min/max pair).
-SINGLE_ANCHOR_TYPES = ("BLOCK_MEAN", "BLOCK_MAX", "QUEST")
 
 
 @dataclass(frozen=True)
@@ -76,6 +74,7 @@ def coerce(spec: FieldSpec, key: str, value: Any) -> Any:
     YAML gives int for `4096` and float for `4096.0`; a float field takes either, an int
     field takes a float only when it is whole. bool is an int subclass in Python, so it is
     excluded explicitly: `show_panels: 1` and `block_size: true` are typos, not values.
+    An enumerated field takes its value's string and stores the enum member.
     """
     expected = spec.allowed()
     numeric = isinstance(value, int | float) and not isinstance(value, bool)
@@ -93,8 +92,10 @@ def coerce(spec: FieldSpec, key: str, value: Any) -> Any:
     if not ok:
         raise Invalid(Problem(key, value, expected, got=kind(value)))
 
-    if spec.choices is not None and value not in spec.choices:
-        raise Invalid(Problem(key, value, expected))
+    if spec.choices is not None:
+        if value not in spec.choices:
+            raise Invalid(Problem(key, value, expected))
+        value = spec.type(value)
     if spec.min is not None and not spec.min <= value <= spec.max:  # `not <=` also rejects NaN
         raise Invalid(Problem(key, value, expected))
     if spec.multiple_of is not None and value % spec.multiple_of:
@@ -113,7 +114,8 @@ _RULES = (
     _Rule(
         "long_context.anchor_num",
         lambda s: (
-            s.long_context.anchor_type not in SINGLE_ANCHOR_TYPES or s.long_context.anchor_num == 1
+            s.long_context.anchor_type not in WHOLE_BLOCK_ANCHOR_TYPES
+            or s.long_context.anchor_num == 1
         ),
         lambda s: f"1 when long_context.anchor_type is {s.long_context.anchor_type}",
     ),

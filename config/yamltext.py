@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import re
 import textwrap
+from enum import StrEnum
 from typing import Any
 
 import yaml
@@ -48,12 +49,18 @@ def parse(text: str) -> Any:
 
 def render_scalar(value: Any) -> str:
     """One value as it is written after `key: ` (quoted only when YAML needs it)."""
+    value = _plain(value)
     text = yaml.safe_dump(value, default_flow_style=True, allow_unicode=True, width=10**9)
     text = text.removesuffix("\n").removesuffix("\n...")
     if len(text.splitlines()) > 1:
         # A multi-line scalar would break line-by-line editing; escapes keep it on one line.
         text = yaml.safe_dump(value, default_style='"', allow_unicode=True, width=10**9)
     return text.strip()
+
+
+def _plain(value: Any) -> Any:
+    """An enum member as its string, the type YAML reads it back as; other values as they are."""
+    return value.value if isinstance(value, StrEnum) else value
 
 
 def _comment(spec: FieldSpec, indent: str) -> list[str]:
@@ -169,7 +176,7 @@ def _holds(text: str, settings: Settings) -> bool:
         if not isinstance(section_data, dict):
             return False
         for spec in schema_fields(cls):
-            want = getattr(getattr(settings, name), spec.name)
+            want = _plain(getattr(getattr(settings, name), spec.name))
             got = section_data.get(spec.name)
             if type(got) is not type(want) or got != want:
                 return False

@@ -6,23 +6,25 @@ import os
 
 import torch
 
+from kvchat.config import ModelDevice, ModelDtype
 
-def resolve_device(setting: str) -> torch.device:
-    if setting == "cuda" and not torch.cuda.is_available():
+
+def resolve_device(setting: ModelDevice) -> torch.device:
+    if setting == ModelDevice.CUDA and not torch.cuda.is_available():
         raise RuntimeError(
             "model.device is 'cuda' but no CUDA device is available; use 'auto' or 'cpu'"
         )
-    if setting == "auto":
+    if setting == ModelDevice.AUTO:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(setting)
+    return torch.device(str(setting))
 
 
-def resolve_dtype(setting: str) -> torch.dtype:
+def resolve_dtype(setting: ModelDtype) -> torch.dtype:
     """bf16 for `auto` on every device: activations, the KV cache and the C++ kernels' inputs
     are 16-bit everywhere, so every CPU keeps the same values and the same cache size (where
     bf16 products are not in hardware, the large ones run in fp32 on the widened values:
     kvchat.native.cpu)."""
-    return torch.float32 if setting == "float32" else torch.bfloat16
+    return torch.float32 if setting == ModelDtype.FLOAT32 else torch.bfloat16
 
 
 def configure_threads(threads: int) -> int:

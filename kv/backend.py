@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvchat.config.enums import PositionMode
+
 from .state import CacheState
 
 
@@ -38,7 +40,7 @@ class CacheStats:
     capacity_tokens: int
     kv_bytes: int  # bytes allocated for keys and values (DRAM for the block store)
     kv_dtype: str
-    position_mode: str
+    position_mode: PositionMode
     block_size: int = 0
     blocks_in_dram: int = 0
     resident_tokens: int = 0  # sinks + local window, kept on the compute device
@@ -79,7 +81,7 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
     max_chunk: int | None = None  # longest pass the backend accepts (None: any)
-    position_mode: str = "native"
+    position_mode: PositionMode = PositionMode.NATIVE
 
     @property
     @abstractmethod

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from kvchat.config.enums import AttentionMode, PositionMode
+
 from .attention import chunk_attention, decode_attention
 from .backend import AttentionBackend, CacheStats, check_capacity
 from .kernels import TORCH_OPS, attention_ops, rotation
@@ -18,7 +20,7 @@ from .state import CacheState
 class DenseBackend(AttentionBackend):
     """Keys (after RoPE, absolute positions) and values of every token, per layer, in one buffer."""
 
-    name = "dense"
+    name = AttentionMode.DENSE
 
     def __init__(
         self,
@@ -112,7 +114,7 @@ class DenseBackend(AttentionBackend):
             capacity_tokens=self._capacity,
             kv_bytes=per_token * self._capacity,
             kv_dtype=str(self.dtype).removeprefix("torch."),
-            position_mode="native",
+            position_mode=PositionMode.NATIVE,
         )
 
     def export_state(self) -> CacheState:

@@ -28,7 +28,7 @@ Error bounds per group of a finite input with |x| <= FP16_MAX, up to fp32 roundi
 Dequantization computes x̂ = q * scale (+ minimum) in fp32 and rounds once to the output dtype,
 in the standalone functions and in BlockPool.gather alike, so both give identical results. On
 CPU the fp32 route is also the fast one: eager bf16 arithmetic converts to fp32 and back inside
-every op, and a decode step's gathers ran ~1.4x (INT8) to ~1.6x (INT4) slower when converting
+every op, and a decode step's gathers run ~1.4x (INT8) to ~1.6x (INT4) slower when converting
 int -> bf16 and scaling in bf16 than int -> fp32, scale in fp32, one conversion to bf16.
 """
 
@@ -40,7 +40,9 @@ from dataclasses import dataclass
 
 import torch
 
-KV_TYPES = ("FP16", "INT8", "INT4")
+from kvchat.config.enums import KvType
+
+KV_TYPES = tuple(KvType)
 GROUP = 32
 
 FP16_MAX = 65504.0
@@ -48,10 +50,10 @@ FP16_MAX = 65504.0
 SCALE_MIN = 2.0**-14
 
 
-def _check(head_dim: int, kv_type: str) -> None:
+def _check(head_dim: int, kv_type: KvType) -> None:
     if kv_type not in KV_TYPES:
         raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
-    if kv_type != "FP16" and head_dim % GROUP:
+    if kv_type != KvType.FP16 and head_dim % GROUP:
         raise ValueError(
             f"head_dim must be a multiple of {GROUP} for kv_type {kv_type}, got {head_dim}"
         )
@@ -143,16 +145,16 @@ def _grouped(x: torch.Tensor) -> torch.Tensor:
     return x.view(*x.shape[:-1], x.shape[-1] // GROUP, GROUP)
 
 
-def bytes_per_token(head_dim: int, kv_type: str, dtype_itemsize: int) -> int:
+def bytes_per_token(head_dim: int, kv_type: KvType, dtype_itemsize: int) -> int:
     """Storage bytes of one token of one KV head, of K *or* V, scales and minimums included.
 
     dtype_itemsize is the compute dtype's (it is the storage dtype of FP16 blocks only).
     """
     _check(head_dim, kv_type)
     groups = head_dim // GROUP
-    if kv_type == "INT8":
+    if kv_type == KvType.INT8:
         return head_dim + 2 * groups
-    if kv_type == "INT4":
+    if kv_type == KvType.INT4:
         return head_dim // 2 + 4 * groups
     return head_dim * dtype_itemsize
 
@@ -213,12 +215,12 @@ class _Workspace(threading.local):
 
     def _build(self, pool: BlockPool, n: int) -> _Scratch:
         dev, blk, dim, groups = pool.device, pool.block_size, pool.head_dim, pool.head_dim // GROUP
-        n_meta = 1 if pool.kv_type == "INT8" else 2  # scale, or scale and minimum
+        n_meta = 1 if pool.kv_type == KvType.INT8 else 2  # scale, or scale and minimum
         raw = self._get("raw", dev, torch.uint8, (n, pool.bytes_per_slot))
         q_bytes = raw.shape[1] - 2 * n_meta * blk * groups
         meta_shape = (n, n_meta, blk, groups)
         words = tmp = None
-        if pool.kv_type == "INT8":
+        if pool.kv_type == KvType.INT8:
             q = raw[:, :q_bytes].view(torch.int8).view(n, blk, dim)
         else:
             q = raw[:, :q_bytes].view(n, blk, dim // 2)
@@ -256,7 +258,7 @@ class BlockPool:
         n_slots: int,
         block_size: int,
         head_dim: int,
-        kv_type: str,
+        kv_type: KvType,
         dtype: torch.dtype,
         device: torch.device | str = "cpu",
         pin: bool = False,
@@ -277,7 +279,7 @@ class BlockPool:
         self.device = torch.device(device)
         # pin_memory raises on CPU-only builds, and only helps host-to-GPU copies anyway.
         pin_memory = pin and torch.cuda.is_available() and self.device.type == "cpu"
-        if kv_type == "FP16":
+        if kv_type == KvType.FP16:
             shape, storage_dtype = (n_slots, block_size, head_dim), dtype
         else:
             shape, storage_dtype = (n_slots, self.bytes_per_slot), torch.uint8
@@ -309,12 +311,12 @@ class BlockPool:
                 f"blocks must be [n, {shape[0]}, {shape[1]}], got {list(blocks.shape)}"
             )
         slots = slots.to(self.device)
-        if self.kv_type == "FP16":
+        if self.kv_type == KvType.FP16:
             self._data.index_copy_(0, slots, blocks.to(self.device, self.dtype))
             return
         n = blocks.shape[0]
         # Quantize where the blocks are (the GPU, when there is one), then move only bytes.
-        if self.kv_type == "INT8":
+        if self.kv_type == KvType.INT8:
             parts = quantize_int8(blocks)
         else:
             parts = quantize_int4(blocks)
@@ -331,7 +333,7 @@ class BlockPool:
         """
         n = slots.shape[0]
         dest = out[:n]
-        if self.kv_type == "FP16":
+        if self.kv_type == KvType.FP16:
             return torch.index_select(self._data, 0, slots, out=dest)
         scratch = _workspace.for_gather(self, n)
         torch.index_select(self._data, 0, slots, out=scratch.raw)
@@ -357,7 +359,7 @@ class BlockPool:
         [groups, (last - first) * block_size, head_dim] without copying, or None when the
         blocks are quantized and must be gathered (dequantized) instead.
         """
-        if self.kv_type != "FP16":
+        if self.kv_type != KvType.FP16:
             return None
         per_group = self.n_slots // groups
         rows = self._data.view(groups, per_group * self.block_size, self.head_dim)

@@ -11,13 +11,14 @@ import math
 
 import torch
 
+from kvchat.config.enums import AnchorType, HeadSelectMode
 from kvchat.kv.anchors import anchor_rows
 
-HEAD_SELECT_MODES = ("SHARED", "SEPARATE")
+HEAD_SELECT_MODES = tuple(HeadSelectMode)
 
 
 def score_blocks(
-    q: torch.Tensor, anchors: torch.Tensor, anchor_type: str, mode: str
+    q: torch.Tensor, anchors: torch.Tensor, anchor_type: AnchorType, mode: HeadSelectMode
 ) -> torch.Tensor:
     """Score every block for one query.
 
@@ -27,7 +28,9 @@ def score_blocks(
     [n_kv_heads, n_blocks], each KV head summed over its group of query heads.
     """
     if mode not in HEAD_SELECT_MODES:
-        raise ValueError(f"unknown head select mode {mode!r}; expected one of {HEAD_SELECT_MODES}")
+        raise ValueError(
+            f"unknown head select mode {mode!r}; expected one of {', '.join(HeadSelectMode)}"
+        )
     if q.dim() != 2:
         raise ValueError(f"q must be [n_heads, head_dim], got shape {tuple(q.shape)}")
     n_blocks, n_kv_heads, rows, head_dim = _check_anchors(anchors, anchor_type, q.shape[-1])
@@ -35,7 +38,7 @@ def score_blocks(
     weights = _query_weights(q.float(), anchor_type)
     group_weights = weights.view(n_kv_heads, group, rows * head_dim).sum(dim=1)
     anchors = anchors.float()
-    if mode == "SHARED":
+    if mode == HeadSelectMode.SHARED:
         flat = anchors.reshape(n_blocks, n_kv_heads * rows * head_dim)
         return flat @ group_weights.reshape(-1)
     # A broadcast dot over the anchors as stored: on CPU a matmul with only n_kv_heads
@@ -66,7 +69,7 @@ def pin(scores: torch.Tensor, candidates: torch.Tensor, pinned: torch.Tensor) ->
 
 
 def preselect_vote(
-    q_last: torch.Tensor, anchors: torch.Tensor, anchor_type: str, count: int
+    q_last: torch.Tensor, anchors: torch.Tensor, anchor_type: AnchorType, count: int
 ) -> torch.Tensor:
     """SnapKV-style vote of the last prompt queries: the `count` blocks they attend to most.
 
@@ -87,19 +90,19 @@ def preselect_vote(
     return select_top(votes, count)
 
 
-def _query_weights(q: torch.Tensor, anchor_type: str) -> torch.Tensor:
+def _query_weights(q: torch.Tensor, anchor_type: AnchorType) -> torch.Tensor:
     """[..., head_dim] -> [..., R, head_dim], with score = sum(weights * anchor rows).
 
     QUEST's bound sum(max(q * lo, q * hi)) picks hi where q > 0 and lo where q < 0, so it
     equals relu(q) . hi - relu(-q) . lo: linear in the weights (-relu(-q), relu(q)).
     """
-    if anchor_type == "QUEST":
+    if anchor_type == AnchorType.QUEST:
         return torch.stack((-torch.relu(-q), torch.relu(q)), dim=-2)
     return q.unsqueeze(-2)
 
 
 def _check_anchors(
-    anchors: torch.Tensor, anchor_type: str, head_dim: int
+    anchors: torch.Tensor, anchor_type: AnchorType, head_dim: int
 ) -> tuple[int, int, int, int]:
     """Shape of a valid anchor tensor for this type and query width."""
     if anchors.dim() != 4:

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvchat.config.enums import KvType
+
 from ..quant import FP16_MAX, GROUP, SCALE_MIN, BlockPool, bytes_per_token
 
 _FP16_MAX = tl.constexpr(FP16_MAX)
@@ -105,23 +107,23 @@ def _quantize_kernel(
 
 
 def _quantize_into(
-    rows: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor, kv_type: str
+    rows: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor, kv_type: KvType
 ) -> None:
     n, block, dim = blocks.shape
     if blocks.stride(-1) != 1:
         blocks = blocks.contiguous()
-    data = rows.view(torch.int8) if kv_type == "INT8" else rows
+    data = rows.view(torch.int8) if kv_type == KvType.INT8 else rows
     block_t = min(16, triton.next_power_of_2(block))
     _quantize_kernel[(n, dim // GROUP, triton.cdiv(block, block_t))](
         blocks, slots, data, rows.view(torch.float16), blocks.stride(0), blocks.stride(1),
-        INT4=kv_type == "INT4", BLOCK=block, HEAD_DIM=dim, BLOCK_T=block_t,
+        INT4=kv_type == KvType.INT4, BLOCK=block, HEAD_DIM=dim, BLOCK_T=block_t,
     )  # fmt: skip
 
 
-def quantize_rows(blocks: torch.Tensor, kv_type: str) -> torch.Tensor:
+def quantize_rows(blocks: torch.Tensor, kv_type: KvType) -> torch.Tensor:
     """blocks [n, block_size, head_dim] (any float dtype) -> uint8 [n, bytes_per_slot], the
     rows BlockPool.write stores for INT8 / INT4."""
-    if kv_type not in ("INT8", "INT4"):
+    if kv_type not in (KvType.INT8, KvType.INT4):
         raise ValueError(f"quantize_rows takes INT8 or INT4, got {kv_type!r}")
     n, block, dim = _check_blocks(blocks)
     width = block * bytes_per_token(dim, kv_type, blocks.element_size())
@@ -140,7 +142,7 @@ def write_blocks(pool: BlockPool, slots: torch.Tensor, blocks: torch.Tensor) -> 
             f"blocks {tuple(blocks.shape)} and slots {tuple(slots.shape)} do not fit a pool "
             f"of [{pool.block_size}, {pool.head_dim}] blocks"
         )
-    if pool.kv_type == "FP16":
+    if pool.kv_type == KvType.FP16:
         pool.write(slots, blocks)
         return
     if pool.device == blocks.device:

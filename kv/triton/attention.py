@@ -25,13 +25,15 @@ import torch
 import triton
 import triton.language as tl
 
+from kvchat.config.enums import KvType
+
 from ..quant import BlockPool
 
 LOG2E = 1.4426950408889634
 # Kernels may read globals only as constexpr.
 _LN2 = tl.constexpr(0.6931471805599453)
 _LOG2E = tl.constexpr(LOG2E)
-KV_CODES = {"FP16": 0, "INT8": 1, "INT4": 2}
+KV_CODES = {KvType.FP16: 0, KvType.INT8: 1, KvType.INT4: 2}
 
 
 @triton.jit
@@ -383,7 +385,7 @@ def sparse_attention(
                 f"sparse_attention: slots {tuple(slots.shape)} / pool head_dim "
                 f"{k_pool.head_dim} do not fit {n_kv} KV heads of dim {dim}"
             )
-        if k_pool.kv_type == "FP16" and k_pool.dtype != dtype:
+        if k_pool.kv_type == KvType.FP16 and k_pool.dtype != dtype:
             raise ValueError(f"sparse_attention: FP16 pool holds {k_pool.dtype}, q is {dtype}")
         kv_code, block = KV_CODES[k_pool.kv_type], k_pool.block_size
         ck, ck_meta = _pool_pointers(k_pool)
@@ -430,9 +432,9 @@ def sparse_attention(
 def _pool_pointers(pool: BlockPool) -> tuple[torch.Tensor, torch.Tensor]:
     """The pool's rows as the kernel reads them: values (compute dtype, int8 or uint8) and fp16."""
     data = pool.storage
-    if pool.kv_type == "FP16":
+    if pool.kv_type == KvType.FP16:
         return data, data
-    values = data.view(torch.int8) if pool.kv_type == "INT8" else data
+    values = data.view(torch.int8) if pool.kv_type == KvType.INT8 else data
     return values, data.view(torch.float16)
 
 

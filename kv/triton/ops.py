@@ -64,7 +64,7 @@ class TritonOps:
 
     @staticmethod
     def select_top(scores: torch.Tensor, k: int) -> torch.Tensor:
-        # torch.topk until a GPU measurement shows a Triton top-k beating it.
+        # torch.topk: no GPU measurement shows a Triton top-k beating it.
         return selection.select_top(scores, k)
 
 

@@ -13,6 +13,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvchat.config.enums import AnchorType, HeadSelectMode
+
 from ..anchors import anchor_rows
 from ..selection import HEAD_SELECT_MODES
 
@@ -78,8 +80,8 @@ def _score_kernel(
 def score_blocks(
     q: torch.Tensor,
     anchors: torch.Tensor,
-    anchor_type: str,
-    mode: str,
+    anchor_type: AnchorType,
+    mode: HeadSelectMode,
     candidates: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """kv.selection.score_blocks(q, anchors[candidates], anchor_type, mode), without the copy.
@@ -89,7 +91,9 @@ def score_blocks(
     Returns fp32 [n] (SHARED) or [n_kv_heads, n] (SEPARATE).
     """
     if mode not in HEAD_SELECT_MODES:
-        raise ValueError(f"unknown head select mode {mode!r}; expected one of {HEAD_SELECT_MODES}")
+        raise ValueError(
+            f"unknown head select mode {mode!r}; expected one of {', '.join(HeadSelectMode)}"
+        )
     rows = anchor_rows(anchor_type)
     if anchors.dim() != 4 or anchors.shape[2] != rows or anchors.shape[3] != q.shape[-1]:
         raise ValueError(
@@ -104,7 +108,7 @@ def score_blocks(
     if candidates is None:
         candidates = torch.arange(anchors.shape[0], device=anchors.device)
     n_cand = candidates.shape[0]
-    shared = mode == "SHARED"
+    shared = mode == HeadSelectMode.SHARED
     out = torch.empty((n_cand,) if shared else (n_kv, n_cand), dtype=torch.float32, device=q.device)
     if n_cand == 0:
         return out
@@ -117,7 +121,7 @@ def score_blocks(
     _score_kernel[(triton.cdiv(n_cand, block_b),)](
         q, anchors, candidates.contiguous(), out, n_cand, n_kv, group,
         q.stride(0), anchors.stride(0), anchors.stride(1),
-        ROWS=rows, QUEST=anchor_type == "QUEST", SHARED=shared, HEAD_DIM=dim,
+        ROWS=rows, QUEST=anchor_type == AnchorType.QUEST, SHARED=shared, HEAD_DIM=dim,
         BLOCK_D=triton.next_power_of_2(dim), BLOCK_G=triton.next_power_of_2(group),
         BLOCK_B=block_b,
     )  # fmt: skip

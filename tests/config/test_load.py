@@ -8,7 +8,20 @@ import os
 
 import pytest
 
-from kvchat.config import ConfigError, LoadedSettings, Settings, load_settings
+from kvchat.config import (
+    AnchorType,
+    AttentionMode,
+    ConfigError,
+    HeadSelectMode,
+    KvType,
+    LoadedSettings,
+    ModelDevice,
+    ModelDtype,
+    PositionMode,
+    Settings,
+    Theme,
+    load_settings,
+)
 from kvchat.config.store import default_yaml
 
 
@@ -115,6 +128,40 @@ def test_numbers_are_read_as_their_field_type(write_config):
     assert (s.generation.top_p, type(s.generation.top_p)) == (0.1, float)
     assert (s.generation.max_new_tokens, type(s.generation.max_new_tokens)) == (1024, int)
     assert (s.ui.stats_refresh_hz, type(s.ui.stats_refresh_hz)) == (10.0, float)
+
+
+def test_enumerated_values_are_read_as_their_enum_members(write_config):
+    write_config(
+        """\
+        model:
+          device: cpu
+        long_context:
+          anchor_type: DYNAMIC
+          anchor_num: 4
+          kv_type: INT4
+          head_select_mode: SEPARATE
+          attention: dense
+          position_mode: extrapolate
+        ui:
+          theme: light
+        """
+    )
+    s = load_settings().settings
+    lc = s.long_context
+    got = [s.model.device, s.model.dtype, lc.anchor_type, lc.kv_type, lc.head_select_mode]
+    got += [lc.attention, lc.position_mode, s.ui.theme]
+    assert [(value, type(value)) for value in got] == [
+        (ModelDevice.CPU, ModelDevice),
+        (ModelDtype.AUTO, ModelDtype),
+        (AnchorType.DYNAMIC, AnchorType),
+        (KvType.INT4, KvType),
+        (HeadSelectMode.SEPARATE, HeadSelectMode),
+        (AttentionMode.DENSE, AttentionMode),
+        (PositionMode.EXTRAPOLATE, PositionMode),
+        (Theme.LIGHT, Theme),
+    ]
+    # A member is its string: it compares, hashes and formats as the file's text.
+    assert lc.kv_type == "INT4" and {"INT4": 1}[lc.kv_type] == 1 and f"{lc.kv_type}" == "INT4"
 
 
 @pytest.mark.parametrize(

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from kvchat.config import ConfigError, Settings, apply_overrides, load_settings
+from kvchat.config import ConfigError, KvType, Settings, apply_overrides, load_settings
 
 
 @pytest.mark.parametrize(
     ("override", "section", "key", "value"),
     [
-        ("long_context.kv_type=INT8", "long_context", "kv_type", "INT8"),
+        ("long_context.kv_type=INT8", "long_context", "kv_type", KvType.INT8),
         ("generation.temperature=0.7", "generation", "temperature", 0.7),
         ("generation.temperature=1", "generation", "temperature", 1.0),
         ("generation.temperature=1e-1", "generation", "temperature", 0.1),

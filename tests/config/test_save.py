@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvchat.config import (
+    AttentionMode,
     ConfigError,
+    KvType,
     Settings,
     load_settings,
     save_changes,
@@ -66,6 +68,26 @@ def test_user_comments_and_unknown_keys_survive_a_save(home):
     )
     assert saved == expected  # only the changed values differ
     assert load_settings().settings == settings
+
+
+def test_enum_members_are_saved_as_their_plain_strings(home):
+    path = load_settings().path
+    before = path.read_text(encoding="utf-8")
+    settings = load_settings().settings
+    lc = dataclasses.replace(
+        settings.long_context, kv_type=KvType.INT4, attention=AttentionMode.DENSE
+    )
+    changed = dataclasses.replace(settings, long_context=lc)
+    save_changes(path, settings, changed)  # the line editor
+    expected = before.replace("  kv_type: FP16", "  kv_type: INT4").replace(
+        "  attention: sparse", "  attention: dense"
+    )
+    assert path.read_text(encoding="utf-8") == expected
+    fresh = path.with_name("fresh.yaml")
+    save_settings(changed, fresh)  # the rendered file
+    assert "  kv_type: INT4\n" in fresh.read_text(encoding="utf-8")
+    for saved in (path, fresh):
+        assert load_settings(saved).settings.long_context.kv_type is KvType.INT4
 
 
 def test_save_adds_missing_keys_and_sections_with_comments(write_config):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from enum import StrEnum
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from kvchat.config import (
     CacheSettings,
     GenerationSettings,
     KeySettings,
+    KvType,
     LongContextSettings,
     ModelSettings,
     Settings,
@@ -66,7 +68,9 @@ def test_default_yaml_has_every_key_with_its_comment_and_default(section, spec):
     text = default_yaml()
     data = parse(text)
     value = data[section][spec.name]
-    assert value == spec.default and type(value) is type(spec.default)
+    # An enumerated default is written as its plain string.
+    default = spec.default.value if isinstance(spec.default, StrEnum) else spec.default
+    assert value == default and type(value) is type(default)
 
     lines = text.splitlines()
     start = lines.index(f"{section}:")
@@ -93,14 +97,16 @@ def test_default_yaml_has_no_other_keys():
 
 @pytest.mark.parametrize(("section", "spec"), ALL_SPECS, ids=SPEC_IDS)
 def test_every_field_is_fully_described(section, spec):
-    assert spec.type in (bool, int, float, str)
+    assert spec.type in (bool, int, float, str) or issubclass(spec.type, StrEnum)
     assert spec.help and "\n" not in spec.help and spec.help.endswith(".")
     if spec.type in (int, float):
         assert spec.min is not None and spec.max is not None and spec.min < spec.max
     else:
         assert spec.min is None and spec.max is None
     if spec.choices is not None:
-        assert spec.type is str and spec.default in spec.choices
+        assert spec.choices == tuple(spec.type) and type(spec.default) is spec.type
+    else:
+        assert not issubclass(spec.type, StrEnum)
     # The default passes its own checks unchanged.
     assert coerce(spec, f"{section}.{spec.name}", spec.default) == spec.default
 
@@ -128,7 +134,7 @@ def test_schema_fields_gives_what_a_settings_screen_needs():
         "position_mode",
     ]
     kv = specs["kv_type"]
-    assert (kv.type, kv.default, kv.choices) == (str, "FP16", ("FP16", "INT8", "INT4"))
+    assert (kv.type, kv.default, kv.choices) == (KvType, KvType.FP16, ("FP16", "INT8", "INT4"))
     block = specs["block_size"]
     assert (block.type, block.default, block.min, block.max, block.multiple_of) == (
         int,

@@ -88,7 +88,7 @@ def field_widget(spec: FieldSpec, key: str, value: Any) -> Widget:
     if spec.type is bool:
         return Switch(value, id=widget_id(key))
     if spec.choices is not None:
-        options = [(choice, choice) for choice in spec.choices]
+        options = [(choice.value, choice) for choice in spec.choices]
         return Select(options, value=value, allow_blank=False, id=widget_id(key))
     return Input(str(value), validators=[SchemaValidator(spec, key)], id=widget_id(key))
 
