@@ -15,7 +15,14 @@ from pathlib import Path
 
 import torch
 
-from kvchat.config import GenerationSettings, LongContextSettings, Settings, changed_keys
+from kvchat.config import (
+    AttentionMode,
+    GenerationSettings,
+    LongContextSettings,
+    PositionMode,
+    Settings,
+    changed_keys,
+)
 from kvchat.kv.backend import AttentionBackend, CacheStats
 from kvchat.kv.dense import DenseBackend
 from kvchat.kv.kernels import cpu_kernels
@@ -83,8 +90,8 @@ class EngineStats:
     dtype: str
     weight_format: str
     threads: int
-    attention: str
-    position_mode: str
+    attention: AttentionMode
+    position_mode: PositionMode
     max_seq_len: int
     context_tokens: int
     cache: CacheStats
@@ -104,17 +111,88 @@ class EngineStats:
         return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
+class Throughput:
+    """The prefill and decode progress of the running (or last) turn, as `Engine.stats()`
+    reports it: written by the thread that drives the engine, read from any thread (each
+    record is one value, replaced whole)."""
+
+    def __init__(self) -> None:
+        self.prefill = (0, 0.0)  # tokens, seconds
+        self.decode = (0, 0.0)
+        self.time_to_first_token: float | None = None
+        self._turn_started = 0.0
+
+    def begin_prefill(self) -> None:
+        """A prefill starts: its tokens, and the turn's first reply token, count from now."""
+        self._turn_started = time.perf_counter()
+        self.time_to_first_token = None
+        self.prefill = (0, 0.0)
+
+    def record_prefill(self, tokens: int, seconds: float) -> None:
+        self.prefill = (tokens, seconds)
+
+    def begin_decode(self) -> None:
+        self.decode = (0, 0.0)
+
+    def record_first_token(self) -> None:
+        """The turn's first reply token is sampled: the time since its prefill began."""
+        if self._turn_started and self.time_to_first_token is None:
+            self.time_to_first_token = time.perf_counter() - self._turn_started
+
+    def record_decode(self, tokens: int, seconds: float) -> None:
+        self.decode = (tokens, seconds)
+
+
 class Session:
     """The token history of one conversation and the KV cache that holds it."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, conversation: Conversation | None = None) -> None:
         self.engine = engine
         self._cache: AttentionBackend | None = None
         self._built_with: LongContextSettings | None = None  # the settings of _cache
         self.tokens: list[int] = []
-        self.conversation = Conversation()
+        self._conversation = conversation if conversation is not None else Conversation()
+        self._answer_count = 0
         self._logits: torch.Tensor | None = None  # logits after the last cached token
         self.last_prefill = PrefillReport()  # what the last sync computed, loaded, warned
+
+    @property
+    def conversation(self) -> Conversation:
+        """The conversation, to read: the Session's own methods change it."""
+        return self._conversation
+
+    @property
+    def messages(self) -> list[dict[str, str]]:
+        """A copy of the conversation's user and assistant turns, in order."""
+        return [dict(m) for m in self._conversation.messages]
+
+    @property
+    def system(self) -> str | None:
+        return self._conversation.system
+
+    def set_system(self, prompt: str | None) -> None:
+        """Set (None or empty: clear) the system prompt. It comes first, so the next question
+        prefills the whole context again."""
+        self._conversation.system = prompt or None
+
+    @property
+    def has_document(self) -> bool:
+        return bool(self._conversation.document_ids)
+
+    @property
+    def answer_count(self) -> int:
+        """How many answers `ask` and `regenerate` put into the conversation (each counts once
+        its decoding begins): a turn that leaves it unchanged got no answer."""
+        return self._answer_count
+
+    def clear(self) -> None:
+        """Start a new conversation with the same system prompt and document, without the
+        turns. The cache stays: the next question shares the document prefix with it, so only
+        the question is prefilled."""
+        old = self._conversation
+        self._conversation = Conversation(
+            system=old.system, document_ids=old.document_ids, document_name=old.document_name
+        )
 
     @property
     def logits(self) -> torch.Tensor | None:
@@ -210,7 +288,7 @@ class Session:
             self.prepare(len(self.tokens) + len(ids) + engine.settings.generation.max_new_tokens)
         chunk = min(engine.settings.long_context.chunk_size, self.cache.max_chunk or len(ids) or 1)
         # The reply's tokens too: the plan counts them, and the dense cache grows for them by
-        # doubling (a 32K context's first reply token took 0.2 GiB more than its plan).
+        # doubling (without them a 32K context's first reply token takes it 0.2 GiB past its plan).
         reply = engine.settings.generation.max_new_tokens
         self.cache.reserve(len(self.tokens) + len(ids) + reply)
         if len(ids) > chunk:
@@ -219,7 +297,7 @@ class Session:
             release_freed_memory()
         done = 0
         started = time.perf_counter()
-        engine._begin_prefill()
+        engine.throughput.begin_prefill()
         while done < len(ids):
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"prefill cancelled after {done} of {len(ids)} tokens")
@@ -230,10 +308,10 @@ class Session:
             done += len(piece)
             # A chunk's temporaries, freed into the heap between the cache's long-lived
             # buffers, stay resident until trimmed; held over a long prefill and into the next
-            # session they grew a 16K session's RSS by 80 MB (trimming here: 8 MB, at no
+            # session they add 80 MB to a 16K session's RSS, and 8 MB when trimmed here (at no
             # measurable prefill cost).
             release_freed_memory()
-            engine._record_prefill(done, time.perf_counter() - started)
+            engine.throughput.record_prefill(done, time.perf_counter() - started)
             if on_progress is not None:
                 on_progress(done, len(ids))
         if self._logits is None:
@@ -369,14 +447,14 @@ class Session:
             )
         eos = set(engine.tokenizer.eos_ids)
         reply: list[int] = []
-        engine._begin_decode()
+        engine.throughput.begin_decode()
         started = time.perf_counter()
         for _ in range(params.max_new_tokens):
             if cancel is not None and cancel.is_set():
                 return
             token = sample_next(self._logits, params, reply, generator)
             if not reply:
-                engine._record_first_token()
+                engine.throughput.record_first_token()
             reply.append(token)
             yield token
             if token in eos or len(reply) == params.max_new_tokens:
@@ -386,7 +464,7 @@ class Session:
             with torch.inference_mode():
                 self._logits = engine.model.forward(torch.tensor([token]), self.cache)[-1]
             self.tokens.append(token)
-            engine._record_decode(len(reply), time.perf_counter() - started)
+            engine.throughput.record_decode(len(reply), time.perf_counter() - started)
 
     def ask(
         self,
@@ -396,9 +474,43 @@ class Session:
         cancel: threading.Event | None = None,
     ) -> Iterator[str]:
         """One chat turn: prefill what is new, then stream the reply as text pieces."""
+        kept = len(self._conversation.messages)
+        yield from self._answer(question, kept, params, on_progress, cancel)
+
+    def regenerate(
+        self,
+        params: GenerationSettings | None = None,
+        on_progress: ProgressFn | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[str]:
+        """Answer the last question again, in place of its reply; streams the new reply as
+        text pieces. The old turn stays until decoding begins, so a regeneration stopped or
+        refused before that leaves the conversation as it was. The cache still holds the
+        prompt before the old reply: only its last token is prefilled again. When sampling,
+        a new seed: the same one would draw the same reply."""
+        messages = self._conversation.messages
+        if len(messages) < 2:
+            raise ValueError("nothing to regenerate: no question has an answer yet")
+        params = params or self.engine.settings.generation
+        if params.temperature > 0:
+            params = replace(params, seed=-1)
+        kept = len(messages) - 2
+        yield from self._answer(messages[kept]["content"], kept, params, on_progress, cancel)
+
+    def _answer(
+        self,
+        question: str,
+        kept: int,
+        params: GenerationSettings | None,
+        on_progress: ProgressFn | None,
+        cancel: threading.Event | None,
+    ) -> Iterator[str]:
+        """Answer `question` after the first `kept` turns of the conversation; once decoding
+        begins, the new turn takes the place of any turns after them."""
         engine = self.engine
         params = params or engine.settings.generation
-        ids = self.conversation.prompt_ids(engine.tokenizer, question)
+        before = replace(self._conversation, messages=self._conversation.messages[:kept])
+        ids = before.prompt_ids(engine.tokenizer, question)
         engine.check_fits(len(ids), params.max_new_tokens)
         self.prepare(len(ids) + params.max_new_tokens)
         self.sync(ids, on_progress, cancel)
@@ -414,7 +526,9 @@ class Session:
                     pieces.append(text)
                     yield text
         finally:
-            self.conversation.add_turn(question, "".join(pieces))
+            del self._conversation.messages[kept:]
+            self._conversation.add_turn(question, "".join(pieces))
+            self._answer_count += 1
 
 
 class Engine:
@@ -435,10 +549,7 @@ class Engine:
         self.source = source
         self.threads = threads
         self.weight_format = weight_format
-        self._prefill = (0, 0.0)
-        self._decode = (0, 0.0)
-        self._ttft: float | None = None
-        self._turn_started = 0.0
+        self.throughput = Throughput()
         self.snapshot_dir = snapshot_dir()
         # The process's memory besides weights and cache (interpreter, libraries, tokenizer),
         # which a plan must count too; measured once the model is loaded.
@@ -497,26 +608,28 @@ class Engine:
         """What snapshots know the model by (core/snapshot.py model_identity)."""
         return model_identity(self.source)
 
-    def snapshot_settings(self, position_mode: str) -> dict[str, object]:
+    def snapshot_settings(self, position_mode: PositionMode) -> dict[str, object]:
         """The settings a snapshot of a cache in `position_mode` must share with its user."""
         dtype = str(self.model.dtype).removeprefix("torch.")
         lc = self.settings.long_context
         return cache_settings(lc, position_mode, dtype, self.weight_format, self.config)
 
-    def position_mode_for(self, planned_tokens: int) -> str:
+    def position_mode_for(self, planned_tokens: int) -> PositionMode:
         """`native` while the context fits what the model was trained on, else `extrapolate`."""
         lc = self.settings.long_context
-        if lc.attention == "dense":
-            return "native"  # dense attention has no way to extrapolate
-        if lc.position_mode != "auto":
+        if lc.attention == AttentionMode.DENSE:
+            return PositionMode.NATIVE  # dense attention has no way to extrapolate
+        if lc.position_mode != PositionMode.AUTO:
             return lc.position_mode
-        return "native" if planned_tokens <= self.config.trained_context else "extrapolate"
+        if planned_tokens <= self.config.trained_context:
+            return PositionMode.NATIVE
+        return PositionMode.EXTRAPOLATE
 
     def new_cache(self, planned_tokens: int) -> AttentionBackend:
         """An empty cache for a conversation expected to reach `planned_tokens`."""
         lc = self.settings.long_context
         cfg, model = self.config, self.model
-        if lc.attention == "dense":
+        if lc.attention == AttentionMode.DENSE:
             return DenseBackend(
                 cfg.num_layers,
                 cfg.num_kv_heads,
@@ -526,24 +639,14 @@ class Engine:
                 model.device,
                 lc.max_seq_len,
             )
-        return SparseBackend(
-            cfg.num_layers,
-            cfg.num_heads,
-            cfg.num_kv_heads,
-            cfg.head_dim,
-            model.rope,
-            model.dtype,
-            model.device,
-            lc,
-            self.position_mode_for(planned_tokens),
-            lc.max_seq_len,
-            cfg.trained_context,
-        )
+        geom = model.cache_geometry(lc.max_seq_len)
+        return SparseBackend(geom, model.rope, lc, self.position_mode_for(planned_tokens))
 
-    def new_session(self) -> Session:
-        """Drop the current conversation and its cache and start an empty one."""
+    def new_session(self, conversation: Conversation | None = None) -> Session:
+        """Drop the current conversation and its cache and start a new one: empty, or going
+        on from `conversation` (e.g. a saved one, or one over a newly loaded document)."""
         self.session.drop_cache()
-        self.session = Session(self)
+        self.session = Session(self, conversation)
         return self.session
 
     def apply_settings(self, settings: Settings) -> ApplyResult:
@@ -667,28 +770,11 @@ class Engine:
     ) -> Iterator[int]:
         return self.session.generate(params, cancel)
 
-    # Progress bookkeeping, written by the driving thread and read by stats() from any thread.
-    def _begin_prefill(self) -> None:
-        self._turn_started = time.perf_counter()
-        self._ttft = None
-        self._prefill = (0, 0.0)
-
-    def _record_prefill(self, tokens: int, seconds: float) -> None:
-        self._prefill = (tokens, seconds)
-
-    def _begin_decode(self) -> None:
-        self._decode = (0, 0.0)
-
-    def _record_first_token(self) -> None:
-        if self._turn_started and self._ttft is None:
-            self._ttft = time.perf_counter() - self._turn_started
-
-    def _record_decode(self, tokens: int, seconds: float) -> None:
-        self._decode = (tokens, seconds)
-
     def stats(self) -> EngineStats:
         cache = self.session.cache_stats()
         cfg = self.config
+        throughput = self.throughput
+        prefill, decode = throughput.prefill, throughput.decode
         return EngineStats(
             model=cfg.name or self.source.name,
             architecture=cfg.architecture,
@@ -701,11 +787,11 @@ class Engine:
             max_seq_len=self.settings.long_context.max_seq_len,
             context_tokens=len(self.session.tokens),
             cache=cache,
-            prefill_tokens=self._prefill[0],
-            prefill_seconds=self._prefill[1],
-            decode_tokens=self._decode[0],
-            decode_seconds=self._decode[1],
-            time_to_first_token=self._ttft,
+            prefill_tokens=prefill[0],
+            prefill_seconds=prefill[1],
+            decode_tokens=decode[0],
+            decode_seconds=decode[1],
+            time_to_first_token=throughput.time_to_first_token,
             rss_bytes=process_rss(),
         )
 

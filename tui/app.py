@@ -2,18 +2,22 @@
 
 All engine work (model load, tokenizing, prefill, generation) runs in one exclusive worker
 thread; it reports through messages (see messages.py, bridge.py) and the live panels poll
-`engine.stats()` on a timer. The UI thread only ever touches the engine for cheap reads and
-for swapping or editing a Conversation object while no worker runs. A question is saved to
-SQLite (core/history.py) from the UI thread once its step has ended, with its answer, in one
-place (`record_turn`) that follows what the engine's conversation kept: one small write per
-message, never per token.
+`engine.stats()` on a timer. The UI thread only ever touches the engine for cheap reads and,
+while no worker runs, for the Session calls that change its conversation (clear, system
+prompt). A question is saved to SQLite (core/history.py) from the UI thread once its step has
+ended, with its answer, in one place (`record_turn`) that follows what the engine's
+conversation kept: one small write per message, never per token.
+
+The keys, the command palette and the slash commands run the actions of one table
+(commands.py).
 """
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
 
@@ -27,13 +31,12 @@ from textual.screen import Screen
 from textual.widgets import Footer
 
 from kvchat.config import (
-    GenerationSettings,
     KeySettings,
     Settings,
+    Theme,
     changed_keys,
     default_config_path,
 )
-from kvchat.core.conversation import Conversation
 from kvchat.core.engine import Engine, EngineStats
 from kvchat.core.history import (
     History,
@@ -44,7 +47,7 @@ from kvchat.core.history import (
 )
 
 from . import bridge
-from .commands import HELP, Command, UnknownCommand, keys_help, parse_command
+from .commands import ACTIONS, Action, Command, UnknownCommand, help_text, parse_command
 from .messages import (
     ConversationResumed,
     DocumentInfo,
@@ -67,43 +70,31 @@ from .widgets.status import StatusLine, StepProgress
 
 READY = "ready"
 T = TypeVar("T")
-THEMES = {"dark": "textual-dark", "light": "textual-light"}
+THEMES = {Theme.DARK: "textual-dark", Theme.LIGHT: "textual-light"}
 
 
 @dataclass
 class Turn:
     """A question being answered, kept until its step ends to record what became of it.
 
-    `replaced`: the answered turn a regeneration took out of the conversation (empty for a new
-    question), and `old_reply` its reply on screen, hidden while the new one streams: both
-    come back when the regeneration gets no answer.
+    `old_reply`: for a regeneration, the reply on screen the new one is to replace, hidden
+    while the new one streams; it comes back when the regeneration gets no answer.
     """
 
     question: Question
-    asked_at: int = 0  # how many messages the conversation held when the step started
-    replaced: list[dict[str, str]] = field(default_factory=list)
+    answers_before: int = 0  # the session's answer_count when the step started
     old_reply: Reply | None = None
 
 
 class KvchatApp(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "kvchat"
-    # Footer labels of the remappable actions; each is bound under its `keys` setting's name
-    # (the binding id), so the keymap built from the settings can move it to another key.
-    ACTIONS = {
-        "load_file": "Load file",
-        "stop": "Stop",
-        "toggle_panels": "Panels",
-        "clear_chat": "Clear",
-        "settings": "Settings",
-        "help": "Help",
-        "sessions": "Sessions",
-        "regenerate": "Regenerate",
-        "copy_reply": "Copy reply",
-    }
+    # Each bound action is bound under its `keys` setting's name (the binding id), so the
+    # keymap built from the settings can move it to another key.
     BINDINGS = [
-        Binding(getattr(KeySettings(), action), action, label, id=action)
-        for action, label in ACTIONS.items()
+        Binding(getattr(KeySettings(), action.name), action.name, action.label, id=action.name)
+        for action in ACTIONS
+        if action.bound
     ]
 
     def __init__(
@@ -184,22 +175,23 @@ class KvchatApp(App[None]):
 
     def get_system_commands(self, screen: Screen) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        for title, help, action in (
-            ("Load document", "Open the file dialog", "load_file"),
-            ("Stop", "Stop the running prefill or reply", "stop"),
-            ("Clear chat", "Start over, keep the document", "clear_chat"),
-            ("Panels", "Show or hide the live panels", "toggle_panels"),
-            ("Settings", "Edit and save the settings", "settings"),
-            ("Help", "Commands and keys", "help"),
-            ("Sessions", "Resume a saved conversation", "sessions"),
-            ("Regenerate", "Answer the last question again", "regenerate"),
-            ("Copy reply", "Copy the last reply to the clipboard", "copy_reply"),
-        ):
-            key = getattr(self.settings.keys, action)
-            yield SystemCommand(title, f"{help} ({key})", getattr(self, f"action_{action}"))
-        yield SystemCommand(
-            "Export", "Save the conversation as Markdown (/export)", lambda: self.export("")
-        )
+        for action in ACTIONS:
+            how = getattr(self.settings.keys, action.name) if action.bound else action.usage
+            yield SystemCommand(action.label, f"{action.help} ({how})", self.palette_entry(action))
+
+    def palette_entry(self, action: Action) -> Callable[[], object]:
+        """What the palette entry of `action` runs: the action itself, or, for one whose
+        argument is to be typed, its slash command put into the prompt."""
+        if action.palette_types:
+            return lambda: self.type_command(action)
+        return getattr(self, f"action_{action.name}")
+
+    def type_command(self, action: Action) -> None:
+        """Put `action`'s slash command into the prompt, for its argument to be typed."""
+        prompt = self.query_one("#prompt", PromptInput)
+        prompt.text = f"/{action.command} "
+        prompt.move_cursor(prompt.document.end)
+        prompt.focus()
 
     def notify(
         self,
@@ -315,18 +307,22 @@ class KvchatApp(App[None]):
             lambda cancel: bridge.load_document(engine, path, self.post, cancel),  # type: ignore[arg-type]
         )
 
-    def ask(self, turn: Turn, params: GenerationSettings | None = None) -> bool:
-        """Answer `turn`'s question in the worker; `end_turn` records what became of it."""
+    def ask(self, turn: Turn) -> bool:
+        """Answer `turn`'s question in the worker (a regeneration when it has an old reply);
+        `end_turn` records what became of it."""
         engine, question = self.engine, turn.question.text
         if engine is None:
             return False
         # Counted before the worker starts: it may add the turn before this thread reads on.
-        turn.asked_at = len(engine.session.conversation.messages)
-        if not self.start_step(
-            "reply",
-            "prefill",
-            lambda cancel: bridge.ask(engine, question, self.post, cancel, params),
-        ):
+        turn.answers_before = engine.session.answer_count
+        regenerating = turn.old_reply is not None
+
+        def body(cancel: threading.Event) -> str:
+            if regenerating:
+                return bridge.regenerate(engine, self.post, cancel)
+            return bridge.ask(engine, question, self.post, cancel)
+
+        if not self.start_step("reply", "prefill", body):
             return False
         self.turn = turn
         return True
@@ -342,9 +338,10 @@ class KvchatApp(App[None]):
 
     async def end_turn(self, stopped: bool) -> None:
         """The reply step ended: keep its turn in the conversation, the history and on screen
-        alike. The engine's conversation says whether the question got an answer: it records
-        the turn once decoding began (a reply stopped after that is kept, marked stopped) and
-        drops a question stopped during its prefill, refused or failed before its reply."""
+        alike. The session's answer_count says whether the question got an answer: the session
+        records the turn once decoding began (a reply stopped after that is kept, marked
+        stopped) and drops a question stopped during its prefill, refused or failed before its
+        reply (a regeneration's old turn then stays)."""
         turn, reply = self.turn, self.reply
         self.turn = self.reply = None
         if reply is None:
@@ -352,15 +349,14 @@ class KvchatApp(App[None]):
         if turn is None or self.engine is None:  # a reply no question started: nothing to save
             await reply.finish(stopped=stopped)
             return
-        messages = self.engine.session.conversation.messages
-        answered = len(messages) > turn.asked_at
+        session = self.engine.session
+        answered = session.answer_count > turn.answers_before
+        answer = session.messages[-1]["content"] if answered else None
         try:
-            if not answered and turn.replaced:
-                messages += turn.replaced  # a regeneration without an answer: the old one stands
-            self.record_turn(turn, messages[-1]["content"] if answered else None, stopped)
+            self.record_turn(turn, answer, stopped)
         finally:
-            if answered:
-                reply.text = messages[-1]["content"]
+            if answer is not None:
+                reply.text = answer
                 await reply.finish(stopped=stopped)
                 if turn.old_reply is not None:
                     await turn.old_reply.remove()
@@ -387,31 +383,19 @@ class KvchatApp(App[None]):
         await self.ask_new(message.text)
 
     async def run_command(self, command: Command) -> None:
-        if command.name == "load":
-            if command.arg:
-                self.load_document(Path(command.arg).expanduser())
-            else:
-                self.action_load_file()
-        elif command.name == "clear":
-            await self.action_clear_chat()
-        elif command.name == "settings":
-            self.action_settings()
-        elif command.name == "sessions":
-            self.action_sessions()
-        elif command.name == "export":
-            self.export(command.arg)
-        elif command.name == "copy":
-            self.action_copy_reply()
-        elif command.name == "regenerate":
-            await self.action_regenerate()
-        elif command.name == "system":
-            await self.set_system(command.arg)
-        elif command.name == "model":
-            self.load_model(command.arg)
-        else:
-            await self.action_help()
+        """Run the action of a slash command, handed the argument when it takes one."""
+        action = command.action
+        run = getattr(self, f"action_{action.name}")
+        done = run(command.arg) if action.arg else run()
+        if inspect.isawaitable(done):
+            await done
 
-    def action_load_file(self) -> None:
+    def action_load_file(self, path: str = "") -> None:
+        """Load the document at `path`; with none, choose it in the file dialog."""
+        if path:
+            self.load_document(Path(path).expanduser())
+            return
+
         def chosen(path: Path | None) -> None:
             if path is not None:
                 self.load_document(path)
@@ -435,7 +419,7 @@ class KvchatApp(App[None]):
         gains a turn. `answer` None: the question got no answer, and the conversation does
         not hold it; it is saved alone, marked stopped, so a resumed chat shows it as it was
         shown and leaves it out of the turns the model sees."""
-        if turn.replaced:  # a regeneration: its answer takes the old one's place
+        if turn.old_reply is not None:  # a regeneration: its answer takes the old one's place
             conversation_id = self.conversation_id
             if answer is None:
                 return  # the old answer stands, in the conversation and in the history
@@ -452,15 +436,15 @@ class KvchatApp(App[None]):
             return
         try:
             if self.conversation_id is None:
-                conversation = self.engine.session.conversation
-                doc = self.document if conversation.document_ids else None
+                session = self.engine.session
+                doc = self.document if session.has_document else None
                 saved = (
                     SavedDocument(doc.path, doc.name, doc.size_bytes, doc.tokens, doc.sha256)
                     if doc is not None
                     else None
                 )
                 model = self.engine.stats().model
-                self.conversation_id = self.history.create(model, conversation.system, saved)
+                self.conversation_id = self.history.create(model, session.system, saved)
             self.history.add_message(self.conversation_id, message)
         except HistoryError as e:
             self.notify(str(e), title="not saved", severity="error")
@@ -519,7 +503,7 @@ class KvchatApp(App[None]):
             else:
                 await chat.add_saved_reply(m.text, m.stopped)
 
-    def export(self, target: str) -> None:
+    def action_export(self, target: str = "") -> None:
         """Write the saved conversation as Markdown to `target` (default: the exports folder)."""
         conversation_id = self.conversation_id
         if conversation_id is None:
@@ -535,7 +519,7 @@ class KvchatApp(App[None]):
             self.notify(str(path), title="exported")
 
     def action_copy_reply(self) -> None:
-        turns = self.engine.session.conversation.messages if self.engine is not None else []
+        turns = self.engine.session.messages if self.engine is not None else []
         replies = [m["content"] for m in turns if m["role"] == "assistant"]
         if not replies or not replies[-1]:
             self.notify("No reply to copy yet.", severity="warning")
@@ -550,32 +534,27 @@ class KvchatApp(App[None]):
         if not self.idle():
             return
         assert self.engine is not None
-        conversation = self.engine.session.conversation
         chat = self.query_one("#chat", ChatPane)
         question = chat.last_question()
         if question is not None and not question.answered:
             await self.ask_new(question.text)
             return
-        last_turn = conversation.messages[-2:]
+        last_turn = self.engine.session.messages[-2:]
         if question is None or not last_turn or last_turn[0]["content"] != question.text:
             self.notify("Nothing to regenerate yet: ask a question first.", severity="warning")
             return
-        del conversation.messages[-2:]
         old_reply = chat.replies()[-1]
         old_reply.display = False
         self.reply = await chat.add_reply()
-        generation = self.engine.settings.generation
-        # When sampling, the same seed would draw the same reply again.
-        params = replace(generation, seed=-1) if generation.temperature > 0 else None
-        self.ask(Turn(question, replaced=last_turn, old_reply=old_reply), params)
+        self.ask(Turn(question, old_reply=old_reply))
 
-    async def set_system(self, prompt: str) -> None:
+    async def action_system(self, prompt: str = "") -> None:
         """Set (empty: clear) the system prompt of the conversation."""
         if not self.idle():
             return
         assert self.engine is not None
         session = self.engine.session
-        session.conversation.system = prompt or None
+        session.set_system(prompt)
         conversation_id = self.conversation_id
         if conversation_id is not None:
             self.history_call(lambda h: h.set_system(conversation_id, prompt or None), "not saved")
@@ -587,7 +566,7 @@ class KvchatApp(App[None]):
             )
         await self.query_one("#chat", ChatPane).add_note(note)
 
-    def load_model(self, spec: str) -> None:
+    def action_model(self, spec: str = "") -> None:
         """Load another model (empty: the one the settings name) in place of this one."""
         settings, spec = self.settings, spec or self.settings.model.path
         self.start_step(
@@ -606,20 +585,15 @@ class KvchatApp(App[None]):
             return
         assert self.engine is not None
         session = self.engine.session
-        old = session.conversation
         self.conversation_id = None  # what follows is saved as a new conversation
-        session.conversation = Conversation(
-            system=old.system, document_ids=old.document_ids, document_name=old.document_name
-        )
+        session.clear()
         chat = self.query_one("#chat", ChatPane)
         await chat.remove_children()
-        if self.document is not None and old.document_ids:
+        if self.document is not None and session.has_document:
             await chat.add_document_card(self.document)
 
     async def action_help(self) -> None:
-        await self.query_one("#chat", ChatPane).add_note(
-            HELP + "\n" + keys_help(self.settings.keys)
-        )
+        await self.query_one("#chat", ChatPane).add_note(help_text(self.settings.keys))
 
     def action_settings(self) -> None:
         # Settings change what a running step reads: open them only while the engine is idle

@@ -1,5 +1,5 @@
 """The engine steps the app runs in its worker thread: load the model, load a document,
-resume a saved conversation, answer a question, rebuild the cache.
+resume a saved conversation, answer a question (or the last one again), rebuild the cache.
 
 Each step talks to the UI only through `post` (the app's thread-safe post_message) and
 rate-limits what it posts: reply text at most every 50 ms, progress at most 10 times a
@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 from textual.message import Message
 
-from kvchat.config import GenerationSettings, Settings
+from kvchat.config import Settings
 from kvchat.core.cancel import Cancelled
 from kvchat.core.conversation import Conversation
 from kvchat.core.documents import Document, DocumentError
@@ -138,7 +139,7 @@ def resume(engine: Engine, saved: SavedConversation, post: Post, cancel: threadi
         return _open_document(
             engine, doc, history, post, cancel, lambda info: ConversationResumed(saved, info, "")
         )
-    engine.new_session().conversation = history
+    engine.new_session(history)
     post(ConversationResumed(saved, None, problem))
     return f"resumed “{saved.title}”" + (" without its document" if problem else "")
 
@@ -160,9 +161,7 @@ def _open_document(
     prefix = candidate.document_prefix_ids(engine.tokenizer)
     max_new = engine.settings.generation.max_new_tokens
     engine.check_fits(len(prefix), max_new)
-    session = engine.new_session()
-    candidate.messages = list(history.messages)
-    session.conversation = candidate
+    session = engine.new_session(replace(candidate, messages=list(history.messages)))
     path = str(doc.path.resolve())
     info = DocumentInfo(doc.name, doc.size_bytes, len(ids), _head(doc.text), path, doc.sha256)
     post(announce(info))
@@ -188,22 +187,28 @@ def _ready(name: str, n_tokens: int, prefill: PrefillReport) -> str:
     return text
 
 
-def ask(
-    engine: Engine,
-    question: str,
-    post: Post,
-    cancel: threading.Event,
-    params: GenerationSettings | None = None,
-) -> str:
+def ask(engine: Engine, question: str, post: Post, cancel: threading.Event) -> str:
+    """Answer `question` as a new turn, posting the reply as it comes."""
+    on_progress = progress_reporter(post, "prefill")
+    _stream(engine.session.ask(question, on_progress=on_progress, cancel=cancel), post)
+    return ""
+
+
+def regenerate(engine: Engine, post: Post, cancel: threading.Event) -> str:
+    """Answer the last question again in place of its reply, posting the new one as it
+    comes."""
+    on_progress = progress_reporter(post, "prefill")
+    _stream(engine.session.regenerate(on_progress=on_progress, cancel=cancel), post)
+    return ""
+
+
+def _stream(pieces: Iterator[str], post: Post) -> None:
     batcher = TokenBatcher(post)
     try:
-        for piece in engine.session.ask(
-            question, params, on_progress=progress_reporter(post, "prefill"), cancel=cancel
-        ):
+        for piece in pieces:
             batcher.add(piece)
     finally:
         batcher.flush()  # the partial reply is kept, even when cancelled or failed
-    return ""
 
 
 def rebuild_cache(engine: Engine, post: Post, cancel: threading.Event) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TextIO
 
 from kvchat.bench.needles import Task, ValueKind
-from kvchat.config import load_settings, settings_to_yaml
+from kvchat.config import load_settings, settings_markdown, settings_to_yaml
 from kvchat.core.cancel import Cancelled
 from kvchat.core.documents import DocumentError, check_document
 from kvchat.core.errors import USER_ERRORS
@@ -93,6 +93,7 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
+    from kvchat.core.conversation import Conversation
     from kvchat.core.engine import Engine
 
     loaded = _load(args)
@@ -107,16 +108,16 @@ def cmd_ask(args: argparse.Namespace) -> int:
     tokenizer = engine.tokenizer
     doc = engine.read_document(args.prompt_file)
     ids = engine.encode_document(doc, ProgressLine("tokenize") if args.verbose else None)
-    conversation = engine.session.conversation
-    conversation.document_ids, conversation.document_name = ids, doc.name
+    conversation = Conversation(document_ids=ids, document_name=doc.name)
     prompt = conversation.prompt_ids(tokenizer, question)
     engine.check_fits(len(prompt), settings.generation.max_new_tokens)
+    session = engine.new_session(conversation)
     if args.verbose:
         print(f"kvchat: {engine.compute_summary()}", file=sys.stderr)
         print(f"{doc.name}: {doc.size_bytes} bytes, {len(ids)} tokens", file=sys.stderr)
     cancel = threading.Event()
     try:
-        report = engine.session.prefill_document(
+        report = session.prefill_document(
             conversation.document_prefix_ids(tokenizer),
             ProgressLine("prefill"),
             cancel,
@@ -124,7 +125,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
         )
         _print_prefill_report(report)
         write_reply(
-            engine.session.ask(question, on_progress=ProgressLine("prefill"), cancel=cancel),
+            session.ask(question, on_progress=ProgressLine("prefill"), cancel=cancel),
             sys.stdout,
         )
     except KeyboardInterrupt:
@@ -206,6 +207,17 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 
 
 def cmd_config(args: argparse.Namespace) -> int:
+    if args.output is not None and args.action != "docs":
+        print("kvchat: error: --output is for `kvchat config docs`", file=sys.stderr)
+        return EXIT_USAGE
+    if args.action == "docs":
+        # The schema's documentation, the same whatever the user's settings file holds.
+        text = settings_markdown()
+        if args.output is None:
+            sys.stdout.write(text)
+        else:
+            Path(args.output).write_text(text, encoding="utf-8")
+        return 0
     loaded = _load(args)
     if args.action == "path":
         print(loaded.path)
@@ -389,8 +401,18 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question", nargs="?", help="the question (default: read from stdin)")
     ask.set_defaults(func=cmd_ask)
 
-    config = sub.add_parser("config", parents=[common], help="the settings file")
-    config.add_argument("action", choices=["path", "show", "validate"])
+    config = sub.add_parser(
+        "config",
+        parents=[common],
+        help="the settings file: its path, the settings in effect, a check, the settings' docs",
+    )
+    config.add_argument("action", choices=["path", "show", "validate", "docs"])
+    config.add_argument(
+        "--output",
+        metavar="FILE",
+        help="docs: write the Markdown reference of every setting to FILE (the repository's "
+        "is docs/configuration.md) instead of printing it",
+    )
     config.set_defaults(func=cmd_config)
 
     plan = sub.add_parser(

@@ -93,6 +93,7 @@ def start(engine, document_ids) -> Session:
     return session
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_three_questions_prefill_only_new_tokens_and_equal_a_fresh_prefill(
     engine_fp32, settings_fp32, document_ids, case
@@ -114,6 +115,7 @@ def test_three_questions_prefill_only_new_tokens_and_equal_a_fresh_prefill(
     assert session.cache.stats().tokens > 330  # the turns crossed many blocks and windows
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_regenerate_and_edits_truncate_to_the_common_prefix(
     engine_fp32, settings_fp32, document_ids, case

@@ -97,6 +97,7 @@ async def test_load_a_document_and_ask(settings: Settings, engine: Engine, tmp_p
         assert app.query_one("#prompt").text == ""
 
 
+@pytest.mark.slow
 async def test_esc_stops_a_prefill_and_the_session_stays_usable(
     settings: Settings, engine: Engine, tmp_path: Path
 ) -> None:

@@ -29,6 +29,7 @@ def run_cli(
     )
 
 
+@pytest.mark.slow
 def test_passkey_in_a_3k_token_haystack(tmp_path, smollm_path):
     from kvchat.bench.haystack import (
         PASSKEY_QUESTION,
@@ -182,6 +183,22 @@ def test_config_subcommands(tmp_path, capsys):
     assert "long_context.chunk_size" in err and "-3" in err and str(cfg) in err
 
 
+def test_config_docs_prints_or_writes_the_settings_reference(tmp_path, capsys):
+    from kvchat.config import settings_markdown
+
+    # An invalid settings file does not matter: the reference comes from the schema.
+    cfg = tmp_path / "config.yaml"
+    cfg.write_text("long_context:\n  kv_type: INT3\n")
+    assert main(["config", "docs", "--config", str(cfg)]) == 0
+    assert capsys.readouterr().out == settings_markdown()
+    out = tmp_path / "configuration.md"
+    assert main(["config", "docs", "--output", str(out)]) == 0
+    assert out.read_text(encoding="utf-8") == settings_markdown()
+    assert capsys.readouterr().out == ""
+    assert main(["config", "show", "--output", str(out), "--config", str(cfg)]) == EXIT_USAGE
+    assert "--output is for `kvchat config docs`" in capsys.readouterr().err
+
+
 def test_plan_says_how_it_computes(capsys):
     from kvchat.native.cpu import cpu_level
 
@@ -199,6 +216,7 @@ def test_a_cpu_level_the_cpu_cannot_run_is_one_clear_error():
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_kernel_build_is_shown_on_stderr(twice_source, monkeypatch):
     from kvchat import native
     from kvchat.tui.cli import BuildLine

@@ -57,6 +57,7 @@ async def chat_about_the_note(pilot: Pilot, app: KvchatApp, note: Path) -> str:
     return reply.source
 
 
+@pytest.mark.slow
 async def test_a_conversation_survives_a_restart_and_exports_to_markdown(
     settings: Settings, engine: Engine, note: Path, home: Path
 ) -> None:
@@ -125,6 +126,7 @@ async def test_a_conversation_survives_a_restart_and_exports_to_markdown(
     assert summary.message_count == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("change", ["edited", "deleted"])
 async def test_resuming_without_the_document_when_the_file_changed(
     settings: Settings, engine: Engine, note: Path, change: str
@@ -171,6 +173,7 @@ async def test_system_prompt(settings: Settings, engine: Engine) -> None:
         assert app.history.load(summary.id).system is None
 
 
+@pytest.mark.slow
 async def test_regenerate_reuses_the_cache_up_to_the_reply(
     settings: Settings, engine: Engine, note: Path
 ) -> None:
@@ -202,6 +205,7 @@ async def test_regenerate_reuses_the_cache_up_to_the_reply(
         ]
 
 
+@pytest.mark.slow
 async def test_copy_the_last_reply(settings: Settings, engine: Engine, note: Path) -> None:
     app = KvchatApp(settings, engine=engine)
     async with app.run_test(size=(140, 45)) as pilot:
@@ -213,6 +217,7 @@ async def test_copy_the_last_reply(settings: Settings, engine: Engine, note: Pat
         assert any("Copied the last reply" in n for n in notifications(app))
 
 
+@pytest.mark.slow
 async def test_model_with_a_bad_path_keeps_the_model(
     settings: Settings, engine: Engine, tmp_path: Path
 ) -> None:
@@ -227,6 +232,7 @@ async def test_model_with_a_bad_path_keeps_the_model(
         assert reply.source.strip() and STOPPED_MARK not in reply.source
 
 
+@pytest.mark.slow
 async def test_model_loads_another_engine_and_starts_a_new_chat(
     settings: Settings, engine: Engine, note: Path
 ) -> None:
