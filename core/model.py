@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from kvchat.kv.backend import AttentionBackend
+from kvchat.kv.sparse import CacheGeometry
 
 from . import cpu_ops
 from .int4_layer import Int4DecodeLayer
@@ -184,6 +185,20 @@ class Transformer:
         row = self.embed.shape[1] * self.embed.element_size()
         head = self.lm_head.read_bytes + self.norm.numel() * self.norm.element_size()
         return matrices + norms + row + head
+
+    def cache_geometry(self, max_tokens: int) -> CacheGeometry:
+        """The shape of a block-sparse cache of `max_tokens` for this model."""
+        c = self.cfg
+        return CacheGeometry(
+            c.num_layers,
+            c.num_heads,
+            c.num_kv_heads,
+            c.head_dim,
+            self.dtype,
+            self.device,
+            max_tokens,
+            c.trained_context,
+        )
 
     @torch.inference_mode()
     def forward(

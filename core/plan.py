@@ -1,6 +1,6 @@
 """Memory planning: what a context of n tokens needs, and whether this machine has it.
 
-The numbers follow the caches' own allocations (kv/dense.py, kv/sparse.py, kv/quant.py), so
+The numbers follow the caches' own allocations (kv/dense.py, kv/sparse/, kv/quant.py), so
 the Engine can check a plan before any prefill and an accepted prompt never ends in an
 out-of-memory kill halfway through.
 """
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from kvchat.config import LongContextSettings
+from kvchat.config import AttentionMode, KvType, LongContextSettings
 from kvchat.kv.anchors import anchor_itemsize, anchor_rows
 from kvchat.kv.quant import bytes_per_token
 from kvchat.kv.sparse import window_capacity
@@ -22,10 +22,9 @@ USABLE_FRACTION = 0.85
 # Kernel scratch, thread pools and malloc arenas a long prefill leaves behind, beyond the
 # runtime measured at load: ~40 MiB over the cache itself for a 1M-token run
 # (tests/kv/test_million.py); for SmolLM2 at 128K after 4K, 32K and dense 32K sessions in the
-# same process (`kvchat bench speed`), the held memory ended 22 MiB over the plan's other
-# terms and the last chunk's temporaries reached 142 MiB of its 145 MiB activation term, a
-# peak 19 MiB over a plan with 64 MiB here (3.608 against 3.589 GiB; 3.577 / 3.596 in a
-# second run).
+# same process (`kvchat bench speed`), the held memory ends 22 MiB over the plan's other terms
+# and the last chunk's temporaries reach 142 MiB of its 145 MiB activation term: a peak 19 MiB
+# over what 64 MiB here would plan.
 RUNTIME_BYTES = 128 * 1024**2
 # The prompt's token ids as Python lists (the conversation's, the session's, the pass's):
 # a 28-byte int object each, shared, plus an 8-byte slot in each list.
@@ -40,7 +39,7 @@ class PlanRefusedError(ValueError):
 @dataclass(frozen=True)
 class MemoryPlan:
     n_tokens: int
-    attention: str
+    attention: AttentionMode
     kv_type: str
     weights_bytes: int
     kv_bytes: int  # keys and values: the DRAM block store (sparse) or the whole cache (dense)
@@ -99,11 +98,11 @@ def plan_memory(
         + TOKEN_ID_BYTES * n_tokens
         + 4 * lc.chunk_size * (4 * cfg.hidden_size + 3 * cfg.intermediate_size + 3 * qkv)
     )
-    if lc.attention == "dense":
+    if lc.attention == AttentionMode.DENSE:
         kv = n_tokens * 2 * layers * kv_heads * dim * itemsize
         return MemoryPlan(
             n_tokens,
-            "dense",
+            AttentionMode.DENSE,
             {2: "BF16", 4: "FP32"}[itemsize],
             weights_bytes,
             kv,
@@ -128,7 +127,7 @@ def plan_memory(
     gather = 2 * kv_heads * gathered * lc.block_size * dim * itemsize
     return MemoryPlan(
         n_tokens,
-        "sparse",
+        AttentionMode.SPARSE,
         lc.kv_type,
         weights_bytes,
         kv,
@@ -168,9 +167,9 @@ def plan_table(
             f"{_gib(p.resident_bytes):>10} {_gib(p.weights_bytes):>10} {_gib(p.total_bytes):>10}  "
             f"{'yes' if p.total_bytes <= available * USABLE_FRACTION else 'NO'}"
         )
-    if lc.attention == "sparse":
+    if lc.attention == AttentionMode.SPARSE:
         lines += ["", f"at {PLAN_SIZES[-1]} tokens, by long_context.kv_type:"]
-        for kv_type in ("FP16", "INT8", "INT4"):
+        for kv_type in KvType:
             p = plan_memory(
                 cfg,
                 replace(lc, kv_type=kv_type),

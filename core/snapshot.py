@@ -59,7 +59,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvchat.config import LongContextSettings, kvchat_home
+from kvchat.config import AttentionMode, LongContextSettings, PositionMode, kvchat_home
 from kvchat.config.home import private_folder
 from kvchat.kv.sparse import RETUNABLE
 from kvchat.kv.state import CacheState
@@ -69,7 +69,7 @@ from .model_config import ModelConfig
 from .terminal_text import terminal_safe
 
 FORMAT_VERSION = 1
-# What a prefill leaves in a cache and how a backend exports it (kv/sparse.py, kv/dense.py,
+# What a prefill leaves in a cache and how a backend exports it (kv/sparse/cache.py, kv/dense.py,
 # kv/state.py); bump it whenever either changes. A snapshot of another version has another
 # key and is never loaded into this version's cache.
 CACHE_ALGORITHM_VERSION = 1
@@ -123,7 +123,11 @@ def snapshot_dir() -> Path:
 
 
 def cache_settings(
-    lc: LongContextSettings, position_mode: str, dtype: str, weight_format: str, cfg: ModelConfig
+    lc: LongContextSettings,
+    position_mode: PositionMode,
+    dtype: str,
+    weight_format: str,
+    cfg: ModelConfig,
 ) -> dict[str, object]:
     """The settings that decide what a prefill puts in the cache: a snapshot is used only
     when every one of them is the same now."""
@@ -135,7 +139,7 @@ def cache_settings(
         "rope_theta": cfg.rope_theta,
         "rope_scaling": asdict(cfg.rope_scaling),
     }
-    if lc.attention == "sparse":
+    if lc.attention == AttentionMode.SPARSE:
         for name, value in asdict(lc).items():
             if name not in _NOT_SHAPING and name not in shaping:
                 shaping[name] = value
@@ -216,7 +220,7 @@ class SnapshotInfo:
 
     @property
     def kv_type(self) -> str:
-        if self.settings.get("attention") == "dense":
+        if self.settings.get("attention") == AttentionMode.DENSE:
             return f"dense {self.settings.get('dtype', '?')}"
         return str(self.settings.get("kv_type", "?"))
 

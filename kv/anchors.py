@@ -14,40 +14,40 @@ from __future__ import annotations
 
 import torch
 
-ANCHOR_TYPES = ("DYNAMIC", "FIXED", "BLOCK_MEAN", "BLOCK_MAX", "QUEST")
+from kvchat.config.enums import WHOLE_BLOCK_ANCHOR_TYPES, AnchorType
 
-# Types whose anchor is a statistic of the whole block, so anchor_num has no meaning.
-_WHOLE_BLOCK_TYPES = ("BLOCK_MEAN", "BLOCK_MAX", "QUEST")
+ANCHOR_TYPES = tuple(AnchorType)
+
 # Types whose anchors are key values, exact in the keys' dtype.
-_KEY_VALUED_TYPES = ("BLOCK_MAX", "QUEST")
+_KEY_VALUED_TYPES = frozenset({AnchorType.BLOCK_MAX, AnchorType.QUEST})
 
 
-def anchor_rows(anchor_type: str) -> int:
+def anchor_rows(anchor_type: AnchorType) -> int:
     """R, the number of anchor vectors stored per block and KV head."""
     _check_type(anchor_type)
-    return 2 if anchor_type == "QUEST" else 1
+    return 2 if anchor_type == AnchorType.QUEST else 1
 
 
-def anchor_dtype(anchor_type: str, key_dtype: torch.dtype) -> torch.dtype:
+def anchor_dtype(anchor_type: AnchorType, key_dtype: torch.dtype) -> torch.dtype:
     """The dtype anchors of this type are stored in, for keys of `key_dtype`."""
     _check_type(anchor_type)
     return key_dtype if anchor_type in _KEY_VALUED_TYPES else torch.float32
 
 
-def anchor_itemsize(anchor_type: str, key_itemsize: int) -> int:
+def anchor_itemsize(anchor_type: AnchorType, key_itemsize: int) -> int:
     """Bytes per stored anchor element, for keys of `key_itemsize` bytes (the memory plan's)."""
     _check_type(anchor_type)
     return key_itemsize if anchor_type in _KEY_VALUED_TYPES else 4
 
 
-def validate_anchor_settings(anchor_type: str, anchor_num: int, block_size: int) -> None:
+def validate_anchor_settings(anchor_type: AnchorType, anchor_num: int, block_size: int) -> None:
     """Raise ValueError when the anchor settings cannot describe a block."""
     _check_type(anchor_type)
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     if anchor_num < 1:
         raise ValueError(f"anchor_num must be >= 1, got {anchor_num}")
-    if anchor_type in _WHOLE_BLOCK_TYPES and anchor_num != 1:
+    if anchor_type in WHOLE_BLOCK_ANCHOR_TYPES and anchor_num != 1:
         raise ValueError(
             f"anchor_type {anchor_type} summarises the whole block: anchor_num must be 1, "
             f"got {anchor_num}"
@@ -61,7 +61,7 @@ def validate_anchor_settings(anchor_type: str, anchor_num: int, block_size: int)
 
 def block_anchors(
     keys: torch.Tensor,
-    anchor_type: str,
+    anchor_type: AnchorType,
     anchor_num: int,
     received: torch.Tensor | None = None,
 ) -> torch.Tensor:
@@ -75,13 +75,13 @@ def block_anchors(
     if keys.dim() not in (3, 4):
         raise ValueError(f"keys must be 3-D or 4-D, got shape {tuple(keys.shape)}")
     validate_anchor_settings(anchor_type, anchor_num, keys.shape[-2])
-    if anchor_type == "BLOCK_MEAN":
+    if anchor_type == AnchorType.BLOCK_MEAN:
         return keys.float().mean(dim=-2, keepdim=True)
-    if anchor_type == "BLOCK_MAX":
+    if anchor_type == AnchorType.BLOCK_MAX:
         return keys.amax(dim=-2, keepdim=True).float()
-    if anchor_type == "QUEST":
+    if anchor_type == AnchorType.QUEST:
         return torch.stack((keys.amin(dim=-2), keys.amax(dim=-2)), dim=-2).float()
-    if anchor_type == "DYNAMIC":
+    if anchor_type == AnchorType.DYNAMIC:
         token_idx = _dynamic_indices(keys, anchor_num, received)
     else:
         token_idx = fixed_indices(keys.shape[-2], anchor_num, keys.device)
@@ -127,4 +127,22 @@ def _mean_of_tokens(keys: torch.Tensor, token_idx: torch.Tensor) -> torch.Tensor
 
 def _check_type(anchor_type: str) -> None:
     if anchor_type not in ANCHOR_TYPES:
-        raise ValueError(f"unknown anchor_type {anchor_type!r}; expected one of {ANCHOR_TYPES}")
+        raise ValueError(
+            f"unknown anchor_type {anchor_type!r}; expected one of {', '.join(AnchorType)}"
+        )
+
+
+def received_attention(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Attention the last queries of a chunk (q [n_heads, m, D], rotated) give each key of
+    the window (keys [n_kv, T, D], the chunk's m keys last), summed over queries and a KV
+    head's query heads, [n_kv, T] in fp32: what DYNAMIC anchors weigh a block's keys by."""
+    n_kv, n_keys, dim = keys.shape
+    m = q.shape[1]
+    group = q.shape[0] // n_kv
+    queries = q.float().reshape(n_kv, group * m, dim)
+    scores = torch.matmul(queries, keys.float().transpose(1, 2)) * dim**-0.5
+    # Query i of the last m sits at window column n_keys - m + i: it sees keys up to it.
+    cols = torch.arange(n_keys, device=keys.device)
+    rows = torch.arange(m, device=keys.device).repeat(group) + (n_keys - m)
+    scores.masked_fill_(cols[None, None, :] > rows[None, :, None], float("-inf"))
+    return torch.softmax(scores, dim=-1).sum(dim=1)

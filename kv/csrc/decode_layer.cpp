@@ -1,10 +1,11 @@
 // A decode token's attention for one layer of the block-sparse cache, in one call from Python.
 //
-// The same steps as kv/sparse.py's decode path, composed of the same kernels: the query
-// rotated twice (for the window, and to the retrieval distance), the key once, key and value
-// written to the window column, the blocks whose anchors score highest for the query selected
-// (unless the caller knows them), and the window, the sinks and those blocks attended. From
-// Python these were five kernel calls and a dozen torch ops a layer, each slower in a decode
+// The same steps as the sparse cache's decode path (kv/sparse/paths.py), composed of the
+// same kernels: the query rotated twice (for the window, and to the retrieval distance), the
+// key once, key and value written to the window column, the blocks whose anchors score highest
+// for the query selected (unless the caller knows them), and the window, the sinks and those
+// blocks attended. From
+// Python these are five kernel calls and a dozen torch ops a layer, each slower in a decode
 // step than alone (the step's ~200 MB of weights and keys evict the interpreter's data). The
 // kernels are called on this object's own buffers rather than through their torch entry
 // points, whose conversions and temporaries (a dozen small tensors a layer) cost ~30 us a
@@ -169,8 +170,9 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::decode(
     }
   }
   if (lru_ && k_ids) {
-    // As kv/sparse.py's _count_reads: a shared selection's keys are its block ids (each the
-    // group of its heads' slots), a separate one's the store slots of every head's blocks.
+    // As TorchPath.count_reads (kv/sparse/paths.py): a shared selection's keys are its block
+    // ids (each the group of its heads' slots), a separate one's the store slots of every
+    // head's blocks.
     keys_.clear();
     if (shared_) {
       keys_.assign(ids, ids + blocks.numel());

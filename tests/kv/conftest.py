@@ -13,7 +13,7 @@ from kvchat.core.model import Transformer
 from kvchat.core.model_config import ModelConfig
 from kvchat.core.weights import ModelWeights, expected_shapes
 from kvchat.kv.dense import DenseBackend
-from kvchat.kv.sparse import SparseBackend
+from kvchat.kv.sparse import AttendPath, SparseBackend
 
 TINY = ModelConfig(
     architecture="llama",
@@ -79,22 +79,10 @@ def sparse_cache(
     settings: LongContextSettings,
     position_mode: str = "native",
     ops_backend: str | None = None,
+    path: type[AttendPath] | None = None,
 ) -> SparseBackend:
-    c = model.cfg
-    return SparseBackend(
-        c.num_layers,
-        c.num_heads,
-        c.num_kv_heads,
-        c.head_dim,
-        model.rope,
-        model.dtype,
-        "cpu",
-        settings,
-        position_mode,
-        settings.max_seq_len,
-        c.trained_context,
-        ops_backend,
-    )
+    geom = model.cache_geometry(settings.max_seq_len)
+    return SparseBackend(geom, model.rope, settings, position_mode, ops_backend, path)
 
 
 def run(model: Transformer, cache, ids: torch.Tensor, chunk: int, decode: int = 0) -> torch.Tensor:

@@ -13,6 +13,7 @@ from kvchat.kv.kernels import rotation
 from kvchat.kv.positions import rotate
 from kvchat.kv.quant import BlockPool
 from kvchat.kv.selection import HEAD_SELECT_MODES, pin, score_blocks, select_top
+from kvchat.kv.sparse import CpuKernelPath
 
 from .conftest import run, small_settings, sparse_cache, tiny_model
 
@@ -211,7 +212,8 @@ def test_sparse_decode_with_the_kernel_equals_the_torch_path(changes, position_m
     settings = small_settings(**({"anchor_type": "QUEST"} | changes))
     reference = sparse_cache(model, settings, position_mode, ops_backend="torch")
     cache = sparse_cache(model, settings, position_mode, ops_backend="auto")
-    assert cache._cpu_kernels and not reference._cpu_kernels
+    assert isinstance(cache.path, CpuKernelPath)
+    assert not isinstance(reference.path, CpuKernelPath)
     want = run(model, reference, ids, 64, 24)
     got = run(model, cache, ids, 64, 24)
     # Both compute in fp32, in different orders: logits of scale ~16 (this tiny model's)
@@ -228,7 +230,7 @@ def test_dynamic_anchors_keep_the_torch_path():
     """DYNAMIC anchors need the window's attention probabilities, which the kernel does not
     return."""
     cache = sparse_cache(tiny_model(), small_settings(anchor_type="DYNAMIC"), ops_backend="auto")
-    assert not cache._cpu_kernels
+    assert not isinstance(cache.path, CpuKernelPath)
 
 
 @pytest.mark.parametrize(

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvchat.kv.kernels import cpu_kernels
+from kvchat.kv.sparse import CpuKernelPath, FusedCpuPath
 
 from .conftest import run, small_settings, sparse_cache, tiny_model
 
@@ -39,12 +40,11 @@ def _pair(model, changes: dict, position_mode: str):
     """A cache on the one-call path (counting its calls) and one on the Python path."""
     settings = small_settings(**changes)
     fused = sparse_cache(model, settings, position_mode)
-    plain = sparse_cache(model, settings, position_mode)
-    assert fused._layer_kernels is not None
-    plain._layer_kernels = None
+    plain = sparse_cache(model, settings, position_mode, path=CpuKernelPath)
+    assert isinstance(fused.path, FusedCpuPath)
     calls = []
-    one_call = fused._decode_layer
-    fused._decode_layer = lambda layer, *a: calls.append(layer) or one_call(layer, *a)
+    one_call = fused.path.decode_step
+    fused.path.decode_step = lambda layer, *a: calls.append(layer) or one_call(layer, *a)
     return fused, plain, calls
 
 
@@ -59,8 +59,8 @@ def test_one_call_layer_equals_the_python_path(model, changes, position_mode):
     assert torch.equal(got, want)
     assert fused.stats() == plain.stats()
     # The prompt's last pass (24 tokens) votes: both paths take the same pins first.
-    assert torch.equal(fused._pinned, plain._pinned)
-    assert (fused._pinned.numel() > 0) == ("pinned_blocks" in changes)
+    assert torch.equal(fused.selector.pinned, plain.selector.pinned)
+    assert (fused.selector.pinned.numel() > 0) == ("pinned_blocks" in changes)
     dense = small_settings(**changes).dense_layer_num
     assert len(calls) == 70 * (model.cfg.num_layers - dense)
     # After a truncate below the window, which reloads the window buffer in place.

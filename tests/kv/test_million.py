@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow
 def test_one_million_tokens_prefill_and_decode_stay_under_the_plan():
     result = subprocess.run(
         [sys.executable, str(Path(__file__).with_name("million_run.py"))],

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvchat.kv import pinning
-from kvchat.kv.sparse import SparseBackend
+from kvchat.kv.sparse import CacheGeometry, SparseBackend
 
 from .conftest import small_settings
 from .test_sparse_parts import NoRotation
@@ -49,7 +49,10 @@ PROMPT, CHUNK, B, D = 700, 64, 32, 32
 def _cache(settings) -> SparseBackend:
     """One layer, two query heads over one KV head, positions that rotate nothing."""
     return SparseBackend(
-        1, 2, 1, D, NoRotation(), torch.float32, "cpu", settings, "native", 4096, 4096
+        CacheGeometry(1, 2, 1, D, torch.float32, torch.device("cpu"), 4096, 4096),
+        NoRotation(),
+        settings,
+        "native",
     )
 
 
@@ -86,22 +89,22 @@ def test_a_block_the_question_names_is_read_by_the_answer(pinned_blocks):
     selected = cache.stats().layers[0].selected
     assert (5 in selected) == (pinned_blocks > 0)
     if pinned_blocks:
-        assert cache._pinned.tolist() == [5, 6]  # the block and the one after it
+        assert cache.selector.pinned.tolist() == [5, 6]  # the block and the one after it
         assert len(selected) == 4  # inside second_select_num
 
 
 def test_pins_take_at_most_half_the_budget():
     settings = small_settings(second_select_num=8, pinned_blocks=5)
     cache = _cache(settings)
-    assert cache._pin_count() == 2  # 2 pins and the 2 blocks after them: 4 of 8
+    assert cache.selector.pin_count() == 2  # 2 pins and the 2 blocks after them: 4 of 8
     cache.retune(small_settings(second_select_num=3, pinned_blocks=5))
-    assert cache._pin_count() == 0
+    assert cache.selector.pin_count() == 0
 
 
 def test_pins_last_for_one_answer_and_only_short_passes_vote():
     cache, _ = _planted_cache(1)
-    assert cache._pinned.tolist() == [5, 6]
+    assert cache.selector.pinned.tolist() == [5, 6]
     cache.begin(CHUNK)  # a full chunk: a document's middle, no vote
-    assert cache._pinned.numel() == 0 and cache._votes is None
+    assert cache.selector.pinned.numel() == 0 and cache.selector.votes is None
     cache.truncate(PROMPT)
-    assert cache._pinned.numel() == 0
+    assert cache.selector.pinned.numel() == 0

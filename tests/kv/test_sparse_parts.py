@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from kvchat.kv.anchors import anchor_rows, block_anchors
-from kvchat.kv.sparse import SparseBackend
+from kvchat.kv.positions import rotate
+from kvchat.kv.sparse import CacheGeometry, CpuKernelPath, SparseBackend
 
 from .conftest import dense_cache, run, small_settings, sparse_cache, tiny_model
 
@@ -29,8 +30,8 @@ def test_sinks_are_always_attended(tiny):
     # Zeroing the sink block's values changes the output, so it is read.
     before = tiny.forward(torch.tensor([5]), cache)
     cache.truncate(PROMPT)
-    sink_slots = cache._head_base.reshape(-1)  # block 0 of every KV head
-    for st in cache._layers:
+    sink_slots = cache.head_base.reshape(-1)  # block 0 of every KV head
+    for st in cache.layers:
         st.sink_v.zero_()
         st.v_pool.write(sink_slots, torch.zeros(len(sink_slots), 32, 32))
     after = tiny.forward(torch.tensor([5]), cache)
@@ -66,9 +67,9 @@ def test_anchors_that_are_key_values_stay_in_the_keys_dtype(anchor_type, stored)
     model = tiny_model(dtype=torch.bfloat16)
     cache = sparse_cache(model, small_settings(anchor_type=anchor_type))
     run(model, cache, _ids(), 64)
-    n = cache._n_anchored
-    slots = (cache._head_base + torch.arange(1, n)).reshape(-1)
-    for st in cache._layers:
+    n = cache.n_anchored
+    slots = (cache.head_base + torch.arange(1, n)).reshape(-1)
+    for st in cache.layers:
         assert st.anchors.dtype == stored
         keys = st.k_pool.storage[slots].view(2, n - 1, 32, 32).transpose(0, 1)
         assert torch.equal(st.anchors[1:n].float(), block_anchors(keys, anchor_type, 1))
@@ -91,7 +92,10 @@ def test_planted_block_is_selected(anchor_type, mode):
         second_select_num=2, dense_layer_num=0, anchor_type=anchor_type, head_select_mode=mode
     )
     cache = SparseBackend(
-        1, 2, 1, 32, NoRotation(), torch.float32, "cpu", settings, "native", 4096, 4096
+        CacheGeometry(1, 2, 1, 32, torch.float32, torch.device("cpu"), 4096, 4096),
+        NoRotation(),
+        settings,
+        "native",
     )
     needle = torch.randn(32, generator=gen)
     needle = 4 * needle / needle.norm()
@@ -139,13 +143,13 @@ def test_preselection_keeps_sinks_and_generated_blocks(tiny):
     cache = sparse_cache(tiny, settings)
     run(tiny, cache, _ids(), 64)
     tiny.forward(torch.tensor([1]), cache)
-    kept = cache._layers[1].preselected
+    kept = cache.layers[1].preselected
     assert kept is not None and len(kept) == 3 and 0 not in kept.tolist()
-    first_generated = cache._n_anchored
+    first_generated = cache.n_anchored
     # Generate past a block boundary and out of the window: new blocks become candidates.
     for t in range(80):
         tiny.forward(torch.tensor([t % 256]), cache)
-    candidates = cache._candidates(cache._layers[1]).tolist()
+    candidates = cache.selector.candidates(cache.layers[1]).tolist()
     assert set(kept.tolist()) <= set(candidates)
     assert any(b >= first_generated for b in candidates)
     assert cache.stats().resident_tokens > 128  # sinks + window still resident
@@ -185,10 +189,10 @@ def test_extrapolate_window_reload_matches_a_fresh_prefill(tiny):
     cache.truncate(320)
     fresh = sparse_cache(tiny, settings, position_mode="extrapolate")
     run(tiny, fresh, _ids()[:320], 64)
-    start = cache._window_start_at(320)
-    for st, want in zip(cache._layers, fresh._layers, strict=True):
-        got_cols = slice(start - cache._win_base, 320 - cache._win_base)
-        want_cols = slice(start - fresh._win_base, 320 - fresh._win_base)
+    start = cache.window_start_at(320)
+    for st, want in zip(cache.layers, fresh.layers, strict=True):
+        got_cols = slice(start - cache.win_base, 320 - cache.win_base)
+        want_cols = slice(start - fresh.win_base, 320 - fresh.win_base)
         torch.testing.assert_close(st.win_k[:, got_cols], want.win_k[:, want_cols])
         torch.testing.assert_close(st.win_store_k[:, got_cols], want.win_store_k[:, want_cols])
     # As in test_truncate_then_continue_equals_fresh: equal up to summation order.
@@ -209,12 +213,13 @@ def test_decode_read_bytes_counts_what_a_step_reads(tiny, kv_type):
     full = 2 * 2 * 32 * 4  # K and V of one token, fp32
     slot = {"FP16": 32 * 32 * 4, "INT8": 32 * (32 + 2), "INT4": 32 * (16 + 4)}[kv_type]
     window = (701 - 544) * full
-    in_place = kv_type == "FP16" and cache._cpu_kernels
+    kernels = isinstance(cache.path, CpuKernelPath)
+    in_place = kv_type == "FP16" and kernels
     copy = 0 if in_place else 2 * 32 * full  # the gather buffer's write + read
     gathered = 2 * 2 * slot + copy  # per block
     anchors = 16 * 2 * 2 * 32 * 4  # QUEST: min and max keys per block and head, fp32 as the keys
     dense_layer = 17 * 32 * full if kv_type == "FP16" else 17 * gathered
-    if kv_type != "FP16" and cache._cpu_kernels:
+    if kv_type != "FP16" and kernels:
         sparse_layer = 32 * full + 4 * 2 * 2 * slot + anchors
     else:
         sparse_layer = 5 * gathered + anchors
@@ -223,3 +228,52 @@ def test_decode_read_bytes_counts_what_a_step_reads(tiny, kv_type):
     dense = dense_cache(tiny)
     run(tiny, dense, _ids(), 64)
     assert dense.decode_read_bytes() == 4 * 701 * full
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kv_type", ["FP16", "INT8"])
+def test_a_random_fill_equals_a_prefill_of_the_same_keys(tiny, backend, kv_type):
+    # fill_random (the GPU benchmark's long context) must leave the cache a prefill of its
+    # keys and values leaves: the same store, anchors and window, so the same next step.
+    if backend == "triton":
+        pytest.importorskip("triton")
+    settings = small_settings(kv_type=kv_type, anchor_type="QUEST")
+    filled = sparse_cache(tiny, settings, ops_backend=backend)
+    filled.fill_random(320, seed=1, blocks_per_step=3)
+    prefilled = sparse_cache(tiny, settings, ops_backend=backend)
+    cfg, gen = tiny.cfg, torch.Generator().manual_seed(2)
+    cos, sin = tiny.rope.cos_sin(0, 320, torch.float32)
+    slots = (filled.head_base + torch.arange(10)).reshape(-1)
+    stored = []
+    for st in filled.layers:
+        k = st.k_pool.gather(slots, torch.empty(len(slots), 32, 32)).view(2, 320, 32)
+        v = st.v_pool.gather(slots, torch.empty(len(slots), 32, 32)).view(2, 320, 32)
+        k[:, :32], v[:, :32] = st.sink_k, st.sink_v  # the sinks are kept in full precision
+        stored.append((rotate(k, cos, -sin), v))  # the keys as the model hands them over
+    for start in range(0, 320, 64):
+        prefilled.begin(64)
+        for layer, (k, v) in enumerate(stored):
+            q = torch.randn(cfg.num_heads, 64, 32, generator=gen)
+            prefilled.attend(layer, q, k[:, start : start + 64], v[:, start : start + 64])
+        prefilled.commit()
+    for _ in range(2):
+        outs = []
+        for cache in (filled, prefilled):
+            cache.begin(1)
+            step = torch.Generator().manual_seed(3)
+            outs.append(
+                [
+                    cache.attend(layer, *(torch.randn(h, 1, 32, generator=step) for h in (4, 2, 2)))
+                    for layer in range(cfg.num_layers)
+                ]
+            )
+            cache.commit()
+        # INT8: the prefill quantizes the store's dequantized keys again, and a value may
+        # land one step (1/127 of its group's largest) away.
+        tol = 1e-5 if kv_type == "FP16" else 3e-4
+        for got, want in zip(*outs, strict=True):
+            torch.testing.assert_close(got, want, atol=tol, rtol=0)
+    assert filled.stats().layers == prefilled.stats().layers
+    assert any(layer.selected for layer in filled.stats().layers)
+    with pytest.raises(ValueError, match="block boundary"):
+        filled.fill_random(330, seed=1)

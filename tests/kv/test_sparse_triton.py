@@ -27,6 +27,7 @@ import torch
 pytest.importorskip("triton")
 
 from kvchat.kv.kernels import OPS_ENV, TORCH_OPS, attention_ops  # noqa: E402
+from kvchat.kv.sparse import TorchPath, TritonPath  # noqa: E402
 from kvchat.kv.triton.ops import TRITON_OPS  # noqa: E402
 
 from .conftest import TINY, dense_cache, run, small_settings, sparse_cache, tiny_model  # noqa: E402
@@ -98,7 +99,7 @@ def test_triton_path_equals_torch_path(model, ids, case):
     )
     reference = sparse_cache(model, settings, case.position_mode, ops_backend="torch")
     cache = sparse_cache(model, settings, case.position_mode, ops_backend="triton")
-    assert reference.tier is None and cache.tier is not None
+    assert isinstance(reference.path, TorchPath) and isinstance(cache.path, TritonPath)
     want = run(model, reference, ids, case.chunk, DECODE)
     got = run(model, cache, ids, case.chunk, DECODE)
 
@@ -116,10 +117,10 @@ def test_triton_path_equals_torch_path(model, ids, case):
     assert any(layer.selected for layer in s.layers)
     # The stats count what the tier really copied, and (but where a dense layer reads more
     # blocks than the slots hold) what the torch path counts for a GPU it does not have.
-    assert s.misses > 0 and s.bytes_moved == s.misses * cache.tier.bytes_per_block
+    assert s.misses > 0 and s.bytes_moved == s.misses * cache.path.tier.bytes_per_block
     if "dense_layer_num" not in case.changes:
         assert (s.hits, s.misses) == (ref.hits, ref.misses)
-    assert 0 < s.device_slots_used <= s.device_slots_total == cache.tier.total
+    assert 0 < s.device_slots_used <= s.device_slots_total == cache.path.tier.total
 
 
 def test_full_budget_and_dense_equal_dense_attention(model, ids):
@@ -136,7 +137,7 @@ def test_retune_and_truncate_on_the_tier(model, ids):
     caches = {ops: sparse_cache(model, settings, ops_backend=ops) for ops in ("torch", "triton")}
     for cache in caches.values():
         run(model, cache, ids, 64, 2)
-    tier = caches["triton"].tier
+    tier = caches["triton"].path.tier
     hits = tier.hits
     assert tier.slots_per_layer == 2 * 2 * 2  # two selections of 2 blocks, 2 KV heads
 
@@ -158,7 +159,7 @@ def test_ops_choice(model, monkeypatch):
     monkeypatch.delenv(OPS_ENV, raising=False)
     assert attention_ops("cpu") is TORCH_OPS
     cache = sparse_cache(model, _settings())
-    assert cache.ops is TORCH_OPS and cache.tier is None
+    assert cache.ops is TORCH_OPS and not isinstance(cache.path, TritonPath)
     assert dense_cache(model).ops is TORCH_OPS
     # Choosing needs no GPU: CUDA gets the kernels, and never the CPU-only torch attention.
     assert attention_ops("cuda") is TRITON_OPS
@@ -167,7 +168,7 @@ def test_ops_choice(model, monkeypatch):
 
     monkeypatch.setenv(OPS_ENV, "triton")
     assert attention_ops("cpu") is TRITON_OPS
-    assert sparse_cache(model, _settings()).tier is not None
+    assert isinstance(sparse_cache(model, _settings()).path, TritonPath)
     assert attention_ops("cpu", "torch") is TORCH_OPS  # an explicit choice wins
     monkeypatch.setenv(OPS_ENV, "fastest")
     with pytest.raises(ValueError, match=f"'fastest' \\({OPS_ENV}\\)"):
