@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from kvchat.config import Settings
+from kvchat.config import AttentionMode, Settings
 from kvchat.core.engine import Engine, Session
 from kvchat.core.memory import peak_rss, process_rss, reset_peak_rss
 from kvchat.native.cpu import cpu_name
@@ -25,8 +25,9 @@ from .haystack import make_passkey_document
 Log = Callable[[str], None]
 # Decode steps run before the clock starts: the first step after a prefill builds the kernels'
 # primitives for one-row shapes, and the next ones meet caches that the prefill filled, which
-# is not the steady decode speed. After a 128K prefill on the Xeon, groups of 8 steps took
-# 14.6, 12.6 and 12.3 ms a step, then 10.7-11.8 (README, "Speed"); their rate is reported too.
+# is not the steady decode speed (after a 128K prefill on a Xeon the first three groups of 8
+# steps take 14.6, 12.6 and 12.3 ms a step, the steady ones 10.7-11.8); their rate is reported
+# too.
 WARMUP_TOKENS = 24
 # Rounds of decode_tokens / 4 tokens each side when a context's decode is compared with the
 # first context's, interleaved.
@@ -179,12 +180,14 @@ def run_speed_bench(
         settings = replace(settings, long_context=replace(lc, max_seq_len=longest))
     engine = Engine.load(settings, model_spec)
     dense = engine.with_settings(
-        replace(settings, long_context=replace(settings.long_context, attention="dense"))
+        replace(
+            settings, long_context=replace(settings.long_context, attention=AttentionMode.DENSE)
+        )
     )
     spec = model_spec or settings.model.path
     others = [load_baseline(name, spec, longest, engine.threads) for name in baselines]
-    # The copy rate of this shared machine has read anywhere from 33 to 78 GB/s from one run
-    # to the next: it is measured before and after every context, and the roofline is the
+    # The copy rate of a shared machine can read anywhere from 33 to 78 GB/s from one run to
+    # the next: it is measured before and after every context, and the roofline is the
     # best of them (what the machine showed it can do in this run).
     copy_rates = [memory_copy_rate()]
     log(f"memory copy rate {copy_rates[0] / 1e9:.1f} GB/s (read + write)")
@@ -214,7 +217,7 @@ def run_speed_bench(
         for other in others:
             theirs = other.measure(ids, decode_tokens, WARMUP_TOKENS)
             line += _compare(row, other.name, ours, theirs)
-        if n in compare_dense and engine.settings.long_context.attention != "dense":
+        if n in compare_dense and engine.settings.long_context.attention != AttentionMode.DENSE:
             theirs = _measure_once(dense, ids, decode_tokens)
             line += _compare(row, "dense", ours, theirs)
         log(line)

@@ -1,1 +1,1 @@
-"""The engine: weights, tokenizer, decoder model, Engine and Session, planner, benchmarks."""
+"""The engine: weights, tokenizer, decoder model, Engine and Session, planner, snapshots."""

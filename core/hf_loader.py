@@ -72,7 +72,7 @@ def config_from_hf(
         return _positive(raw, key, None, int)
 
     hidden, heads = required("hidden_size"), required("num_attention_heads")
-    # transformers 5 moved rope_theta and the scaling into one rope_parameters dict.
+    # transformers 5 keeps rope_theta and the scaling in one rope_parameters dict.
     rope_key = "rope_parameters" if raw.get("rope_parameters") else "rope_scaling"
     rope = raw.get(rope_key) or {}
     if not isinstance(rope, dict):

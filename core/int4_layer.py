@@ -1,7 +1,7 @@
 """A decode token's pass through a layer's int4 projections in two C++ calls (CPU, bf16).
 
-A decode step on the CPU ran torch's int4 kernel four times a layer, each call with its Python,
-its dispatch and its own fork and join of the threads, with the norms, the SiLU and the
+Through torch's int4 kernel a decode step on the CPU makes four calls a layer, each with its
+Python, its dispatch and its own fork and join of the threads, with the norms, the SiLU and the
 residual adds as separate calls between them. `Int4DecodeLayer` holds the layer's GGUF Q4_0 /
 Q4_1 weights in the layout of core/csrc/int4_layer.cpp and runs the layer around its attention
 in two C++ calls: `qkv` (RMSNorm, then q, k and v) and `tail` (the output projection and residual,

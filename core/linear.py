@@ -117,13 +117,13 @@ class PackedInt4Linear:
     product (a decode step's four products a layer also run fused, see core/int4_layer.py),
     more rows (prefill chunks) through a matrix product (bf16, or fp32 on the widened values:
     kvchat.native.cpu) with the weight unpacked for the call: torch's int4 kernel takes ~6x
-    longer for a 2048-row chunk (SmolLM2's gate_up on the Xeon: 105 ms; unpacking 1.5 ms, the
+    longer for a 2048-row chunk (SmolLM2's gate_up on a Xeon: 105 ms; unpacking 1.5 ms, the
     bf16 product 15 ms). The unpacked
     weight is q * scale + minimum rounded to bf16; the int4 product rounds each input row to
     16-bit integers per group of 32 (within 1/65024 of the group's largest value), multiplies
     exactly and sums in int32, then in fp32."""
 
-    # Rows from which unpacking the weight and a bf16 product beat the int4 product (on the
+    # Rows from which unpacking the weight and a bf16 product beat the int4 product (on a
     # Xeon, the best of 5: gate_up 0.83 against 1.79 ms at 48 rows, 1.03 against 1.15 at 64,
     # 1.41 against 1.12 at 96; down 0.48 / 0.53 at 48, 0.67 / 0.54 at 64).
     UNPACK_ROWS = 64

@@ -1,10 +1,10 @@
 """The CPU kernels of the block-sparse cache (kv/csrc/), built on first use (kvchat.native).
 
-torch's small bf16 matmuls read a decode step's keys at ~8 GB/s here (README, "Where a 128K
-decode step's time goes") and its block selection is a dozen small ops per layer; the
-kernels read each key, value and anchor once, in place, and are what the block-sparse cache
-uses on the CPU (decode attention, block selection, and the rotary rotation of bf16 queries
-and keys). Where they cannot be built the cache keeps the torch path and says why once.
+torch's small bf16 matmuls read a decode step's keys at ~8 GB/s (docs/performance.md) and its
+block selection is a dozen small ops per layer; the kernels read each key, value and anchor
+once, in place, and are what the block-sparse cache uses on the CPU (decode attention, block
+selection, and the rotary rotation of bf16 queries and keys). Where they cannot be built the
+cache keeps the torch path and says why once.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from kvchat.config.enums import AnchorType, HeadSelectMode, KvType
 from kvchat.native import build_extension
 
 SOURCES = [
@@ -30,7 +31,7 @@ SOURCES = [
     )
 ]
 # How decode_attention's sets are stored (the kernel's Format).
-_FORMATS = {"FP16": 0, "INT8": 1, "INT4": 2}
+_FORMATS = {KvType.FP16: 0, KvType.INT8: 1, KvType.INT4: 2}
 
 
 @cache
@@ -71,7 +72,7 @@ def decode_attention(
         [s[3] for s in sets],
         [s[4] for s in sets],
         [s[5] for s in sets],
-        [_FORMATS[s[6] if len(s) > 6 else "FP16"] for s in sets],
+        [_FORMATS[s[6] if len(s) > 6 else KvType.FP16] for s in sets],
         n_kv,
         dim**-0.5,
     )
@@ -83,8 +84,8 @@ def select_blocks(
     first: int,
     last: int,
     k: int,
-    anchor_type: str,
-    mode: str,
+    anchor_type: AnchorType,
+    mode: HeadSelectMode,
     pinned: torch.Tensor,
 ) -> torch.Tensor:
     """The top-min(k, n) blocks among first..last-1 for `query` (fp32 [n_heads, D]), as
@@ -92,7 +93,14 @@ def select_blocks(
     ascending, [k] for SHARED or [n_kv, k] for SEPARATE. anchors: the layer's fp32 or bf16
     [n_blocks, n_kv, R, D]. Equal scores go to the lower id."""
     return _module().select_blocks(
-        query, anchors, first, last, k, anchor_type == "QUEST", mode == "SHARED", pinned
+        query,
+        anchors,
+        first,
+        last,
+        k,
+        anchor_type == AnchorType.QUEST,
+        mode == HeadSelectMode.SHARED,
+        pinned,
     )
 
 
@@ -104,12 +112,12 @@ def decode_layer(
     sink_v: torch.Tensor,
     pool_k: torch.Tensor,
     pool_v: torch.Tensor,
-    kv_type: str,
+    kv_type: KvType,
     slot_unit: int,
     max_blocks: int,
     anchors: torch.Tensor,
-    anchor_type: str,
-    mode: str,
+    anchor_type: AnchorType,
+    mode: HeadSelectMode,
     lru: Any,
     layer: int,
 ) -> Any:
@@ -137,8 +145,8 @@ def decode_layer(
         slot_unit,
         max_blocks,
         anchors,
-        anchor_type == "QUEST",
-        mode == "SHARED",
+        anchor_type == AnchorType.QUEST,
+        mode == HeadSelectMode.SHARED,
         lru,
         layer,
     )

@@ -12,7 +12,7 @@ votes so far, each with the block after it (where the answer to a matched phrase
 written), lead the selection of the later layers of the pass and of the whole answer.
 
 The vote costs one pass over the stored keys per prompt; the decode steps after it read the
-same number of blocks as before.
+same number of blocks as without it.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The README's screenshot: the app mid-answer over a long document, as an SVG.
+"""docs/screenshot.svg: the app mid-answer over a long document, as an SVG.
 
     python -m kvchat.tui.screenshot docs/screenshot.svg [--copies 20]
 

@@ -212,8 +212,8 @@ void int8_tiles(const uint8_t* packed, const float* scale, const QuantRow& x, in
 // packed uint8 [N / 16, 16 K] (the int8 values plus 128; tile t's group g is 8 chunks of 64
 // bytes, byte 4 r + j of chunk c holding row 16 t + r's input 32 g + 4 c + j) and fp32 scales
 // [N / 16, K / 32, 16]: fp32 [M, N]. The rows of x go in as 16-bit integers per group of 32
-// (quant_row.h), so the weights multiply them exactly in int32 with vpdpbusd: the fp32
-// products this replaced ran at ~12 GB/s, bound by widening every weight to an fp32.
+// (quant_row.h), so the weights multiply them exactly in int32 with vpdpbusd: fp32 products
+// run at ~12 GB/s, bound by widening every weight to an fp32.
 torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale) {
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 2 && scale.dim() == 3, "int8_linear: x [M, K], "
               "packed [N / 16, 16 K], scale [N / 16, K / 32, 16]");

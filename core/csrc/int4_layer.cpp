@@ -292,8 +292,8 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 
 // The weight [N, K] in bf16 (q * scale + minimum in fp32, rounded once) from pack_int4's
 // layout: for products of many rows (prefill chunks), which a bf16 matrix product runs many
-// times faster than torch's int4 kernel here (2048 rows by SmolLM2's gate_up: 105 -> 15 ms,
-// and ~2 ms to unpack).
+// times faster than torch's int4 kernel here (2048 rows by SmolLM2's gate_up: 15 ms against
+// 105, and ~2 ms to unpack).
 torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scale, torch::Tensor minimum) {
   TORCH_CHECK(packed.dim() == 2 && packed.size(1) % 8 == 0, "int4_dequantize: packed [N / 16, 8 K]");
   const int64_t K = packed.size(1) / 8;
@@ -324,8 +324,8 @@ torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scale, torch::
 namespace {
 
 // A layer's int4 projections for decode tokens (core/int4_layer.py's Int4DecodeLayer): the
-// weights are checked once and held, so that a call converts only its activations (the
-// weights' nine tensors and two norms took a few microseconds a layer to pass each call).
+// weights are checked once and held, so that a call converts only its activations (passing
+// the weights' nine tensors and two norms each call costs a few microseconds a layer).
 class Int4Layer {
  public:
   Int4Layer(std::vector<torch::Tensor> qkv, c10::optional<torch::Tensor> qkv_bias,

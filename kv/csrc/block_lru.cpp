@@ -1,5 +1,5 @@
 // The device block cache's residency accounting (kv/device_cache.py) in C++: one LRU of keys
-// per layer. In Python it cost ~20 us a layer of a decode step (0.4-0.6 ms of a 128K step: a
+// per layer. In Python it costs ~20 us a layer of a decode step (0.4-0.6 ms of a 128K step: a
 // list from the tensor, then a dict operation per block, all slowed by the step's evicted
 // caches); here DecodeLayer counts its own reads without returning to Python, and the other
 // paths call touch with a tensor.

@@ -8,22 +8,21 @@
 // vector instructions, so bf16 keys and values are not widened into a buffer: on Zen 4 (which
 // runs 512-bit instructions at half rate) bf16 pair-product instructions score the keys and
 // accumulate the values, with the probabilities rounded to bf16 (a relative 2^-9, below the
-// bf16 output's own rounding); 30 layers of a 128K decode step: 10.3 ms of attention with
-// fp32 arithmetic on widened rows, ~7 ms with pair-product scores, ~6.6 ms with pair-product
-// values as well. On Intel's cores, where pair products are slow, and on AVX2 CPUs (8 lanes),
-// fp32 FMAs read the bf16 rows widened in registers (a 32-bit word's two bf16 halves by a
-// shift and a mask). The next
-// tile's rows are prefetched to L2 rather than L1, which a tile's K and V, their value pairs
-// and the next tile's rows overflow: 30 layers of a 128K step replayed on the Xeon, 10.8 ->
-// 10.3 ms.
+// bf16 output's own rounding): ~6.6 ms of attention for 30 layers of a 128K decode step, where
+// fp32 arithmetic on widened rows takes 10.3 ms and pair-product scores alone ~7 ms. On
+// Intel's cores, where pair products are slow, and on AVX2 CPUs (8 lanes), fp32 FMAs read the
+// bf16 rows widened in registers (a 32-bit word's two bf16 halves by a shift and a mask). The
+// next tile's rows are prefetched to L2 rather than L1, which a tile's K and V, their value
+// pairs and the next tile's rows overflow (30 layers of a 128K step on a Xeon: 10.3 ms, 5% less
+// than prefetching to L1).
 //
 // A key set: rows of head_dim elements in a contiguous source tensor; per KV head, `runs`
 // of `rows` rows each, `stride` elements apart, starting at element starts[h][r]; read with
 // query 0 or query 1 (the local window's and the retrieved blocks' rotations differ). A set
 // of INT8 or INT4 blocks is the block pool's byte rows, each run one block (0.53x / 0.31x the
 // bytes of bf16), dequantized a tile at a time (128-row K and V tiles in L1) into what
-// BlockPool.gather makes. A 128K step with INT8 blocks: 24.4 ms when they were gathered first,
-// 16.2 ms read in place.
+// BlockPool.gather makes: a 128K step with INT8 blocks read in place takes 16.2 ms, a third
+// less than gathering them first (24.4 ms).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -58,10 +57,10 @@
 #endif
 
 // Pair products (32 a 512-bit instruction) beat FMAs (16) where vdpbf16ps issues as fast as an
-// FMA: Zen 4. Intel's cores with AMX issue it at a quarter of an FMA's rate (this Xeon: 1.23
+// FMA: Zen 4. Intel's cores with AMX issue it at a quarter of an FMA's rate (a Xeon: 1.23
 // against 0.31 ns an instruction, independent chains), and there the FMAs on widened keys are
-// faster (a 128K step's 30 attention calls, hot: 209 -> 150 us a layer; in the model, the two
-// builds alternated in one process: 23.0 -> 19.8 ms a step).
+// faster (a 128K step's 30 attention calls, hot: 150 us a layer against 209; in the model, the
+// two builds alternated in one process: 19.8 ms a step against 23.0).
 #if defined(__AMX_BF16__)
 #define PAIR_PRODUCTS_FASTER 0
 #else
@@ -98,9 +97,8 @@ constexpr int64_t value_bytes(Format f, int64_t D) { return f == Format::Int4 ? 
 constexpr int64_t meta_bytes(Format f, int64_t D) { return (f == Format::Int4 ? 4 : 2) * (D / 32); }
 
 // The tile after this one, whose rows are prefetched one by one while this tile's rows are
-// read (a bulk prefetch at the tile's start, or none, streamed at half the rate: the runs are
-// scattered 16 KB blocks, and were strided window rows then, which the hardware prefetcher
-// ramps up on too late).
+// read (a bulk prefetch at the tile's start, or none, streams at half the rate: the runs are
+// scattered 16 KB blocks, which the hardware prefetcher ramps up on too late).
 struct Ahead {
   const char* k = nullptr;
   const char* v = nullptr;
@@ -215,8 +213,7 @@ void dequant_int4(const uint8_t* block, int64_t rows, int64_t t0, int64_t tn, T*
 #if KVCHAT_AVX512
 // exp(x) for 16 values at once (Cephes' expf: a degree-6 polynomial on x - n ln 2, times 2^n;
 // within 2 ulp). GCC vectorises std::exp in a loop (through glibc's libmvec) or not depending on
-// the code around it: one variant of this file called scalar expf per score, a quarter of the
-// kernel's time.
+// the code around it, and a scalar expf per score costs a quarter of the kernel's time.
 inline __m512 exp16(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-104.f));  // exp is 0 in fp32 below, and n stays small
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
