@@ -200,6 +200,7 @@ BUILDER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_two_processes_building_at_once_both_load_the_module(twice_source):
     children = [
         subprocess.Popen(

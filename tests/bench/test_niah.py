@@ -12,6 +12,7 @@ from kvchat.config import load_settings
 from kvchat.tui.cli import main
 
 
+@pytest.mark.slow
 def test_sparse_and_dense_cells() -> None:
     # Every candidate block fits the budget, so each selecting layer must hold the needle.
     settings = load_settings(overrides=["long_context.second_select_num=64"]).settings
@@ -49,6 +50,7 @@ def test_sparse_and_dense_cells() -> None:
     assert [done for done, _ in progress].count(0) == 4
 
 
+@pytest.mark.slow
 def test_the_question_pins_the_block_it_names() -> None:
     # A 512-token window leaves ~25 candidate blocks for 8 selected: the anchors alone miss
     # the needle's block in most layers (recall 0.1-0.5 at these depths), the question's

@@ -35,6 +35,7 @@ def test_depth_grid_and_keys():
     assert len(others) == 5  # every depth its own key
 
 
+@pytest.mark.slow
 def test_grid_with_dense_attention(dense_settings):
     lines: list[str] = []
     progress: list[tuple[int, int]] = []
@@ -80,6 +81,7 @@ def test_grid_with_dense_attention(dense_settings):
     assert starts == ends == [c["prompt_tokens"] for c in cells]
 
 
+@pytest.mark.slow
 def test_dense_comparison_reports_what_does_not_fit(monkeypatch):
     check_fits = Engine.check_fits
 
@@ -107,6 +109,7 @@ def test_dense_comparison_reports_what_does_not_fit(monkeypatch):
     json.dumps(result)
 
 
+@pytest.mark.slow
 def test_cli(tmp_path, capsys):
     out = tmp_path / "passkey.json"
     code = main(

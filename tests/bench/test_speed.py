@@ -17,6 +17,7 @@ SMALL = [
 ]
 
 
+@pytest.mark.slow
 def test_speed_bench_reports_ratios_and_roofline():
     settings = load_settings(overrides=SMALL).settings
     lines: list[str] = []
