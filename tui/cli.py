@@ -4,6 +4,7 @@ plan, bench)."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import sys
 import threading
@@ -375,6 +376,14 @@ def cmd_app(args: argparse.Namespace) -> int:
     return 0
 
 
+def _version() -> str:
+    """The installed kvchat's version (a source tree run without installing has none)."""
+    try:
+        return importlib.metadata.version("kvchat")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvchat",
@@ -384,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     # subcommands' copies default to SUPPRESS so an option given before the subcommand is not
     # overwritten by the subcommand's own default.
     _add_common_options(parser, default=None)
+    parser.add_argument("--version", action="version", version=f"kvchat {_version()}")
     parser.add_argument(
         "--prompt-file", metavar="FILE", help="the app: load this document at start"
     )
