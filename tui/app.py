@@ -121,6 +121,7 @@ class KvchatApp(App[None]):
         self.cancel_event = threading.Event()
         self.reply: Reply | None = None
         self.turn: Turn | None = None  # the question the running reply step answers
+        self.queued: Question | None = None  # a question sent while a step ran, shown waiting
         self.document: DocumentInfo | None = None
         self.history = History()  # $KVCHAT_HOME/conversations.sqlite3, opened on first use
         self.conversation_id: int | None = None  # saved from its first question on
@@ -261,8 +262,12 @@ class KvchatApp(App[None]):
     async def on_document_loaded(self, message: DocumentLoaded) -> None:
         self.document, self.conversation_id = message.info, None
         chat = self.query_one("#chat", ChatPane)
+        waiting = self.queued.text if self.queued is not None else None
         await chat.remove_children()
         await chat.add_document_card(message.info)
+        if waiting is not None:  # a question sent while the document was read still waits
+            self.queued = await chat.add_user(waiting)
+            await self.queued.set_waiting(True)
 
     async def on_reply_piece(self, message: ReplyPiece) -> None:
         if self.reply is not None:
@@ -292,6 +297,8 @@ class KvchatApp(App[None]):
         elif message.kind == "rebuild":
             self.notify(message.detail, title="cache rebuilt")
         self.refresh_stats()
+        if self.queued is not None:
+            await self.ask_queued()
 
     def _after_model(self) -> None:
         if self.prompt_file is not None:
@@ -377,10 +384,34 @@ class KvchatApp(App[None]):
             await self.run_command(command)
             return
         if self.busy:
-            message.prompt.text = message.text  # give the question back instead of losing it
-            self.notify("Busy: wait, or press Esc to stop the running step.", severity="warning")
+            await self.queue_question(message)
             return
         await self.ask_new(message.text)
+
+    async def queue_question(self, message: PromptInput.Submitted) -> None:
+        """Show a question sent while a step runs as waiting; it is asked when the step ends.
+        One question waits at a time: a second is given back to the prompt."""
+        if self.queued is not None or self.engine is None:
+            message.prompt.text = message.text  # given back instead of lost
+            busy = "A question is already waiting" if self.queued else "No model is loaded"
+            self.notify(f"{busy}: wait, or press Esc to stop the running step.", severity="warning")
+            return
+        self.queued = await self.query_one("#chat", ChatPane).add_user(message.text)
+        await self.queued.set_waiting(True)
+
+    async def ask_queued(self) -> None:
+        """Ask the waiting question, now that the engine is free."""
+        question, self.queued = self.queued, None
+        if question is None or not question.is_attached:  # the chat was cleared meanwhile
+            return
+        if self.engine is None or self.busy:
+            self.queued = question
+            return
+        await question.set_waiting(False)
+        chat = self.query_one("#chat", ChatPane)
+        chat.move_to_end(question)
+        self.reply = await chat.add_reply()
+        self.ask(Turn(question))
 
     async def run_command(self, command: Command) -> None:
         """Run the action of a slash command, handed the argument when it takes one."""

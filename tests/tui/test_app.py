@@ -18,6 +18,7 @@ from kvchat.tui.app import KvchatApp
 from kvchat.tui.messages import ReplyPiece, StepFinished
 from kvchat.tui.screens.load_file import LoadFileScreen
 from kvchat.tui.widgets.chat import STOPPED_MARK, ChatPane
+from kvchat.tui.widgets.prompt import PromptInput
 from kvchat.tui.widgets.status import StatusLine
 
 from .conftest import NOTE, messages, notifications, wait_for, wait_idle
@@ -29,6 +30,20 @@ async def load_through_dialog(pilot: Pilot, app: KvchatApp, path: Path) -> None:
     await pilot.press("ctrl+o")
     await wait_for(pilot, lambda: isinstance(app.screen, LoadFileScreen))
     app.screen.query_one("#load-path", Input).value = str(path)
+    await pilot.press("enter")
+
+
+def prefilling(app: KvchatApp, engine: Engine) -> bool:
+    """The app's document is read and its prefill has begun (the engine is shared: its
+    session may hold tokens of an earlier app's document until this one's load begins)."""
+    return app.busy and app.document is not None and 0 < len(engine.session.tokens)
+
+
+async def send(pilot: Pilot, app: KvchatApp, question: str) -> None:
+    """Send `question` at once (typing it key by key may outlast a short prefill)."""
+    prompt = app.query_one("#prompt", PromptInput)
+    prompt.focus()
+    prompt.text = question
     await pilot.press("enter")
 
 
@@ -118,6 +133,56 @@ async def test_esc_stops_a_prefill_and_the_session_stays_usable(
         [reply] = messages(app, "assistant")
         assert reply.source.strip() and STOPPED_MARK not in reply.source
         assert len(engine.session.tokens) > total
+
+
+async def ask_during_a_prefill(pilot: Pilot, app: KvchatApp, engine: Engine, folder: Path) -> int:
+    """Load a ~6K-token document and, while it prefills, send a question; it must wait.
+    Returns the document's token count."""
+    doc = folder / "long.txt"
+    doc.write_text(" ".join(f"Line {i}: the lighthouse keeper logs weather." for i in range(450)))
+    await load_through_dialog(pilot, app, doc)
+    await wait_for(pilot, lambda: prefilling(app, engine))
+    total = len(engine.session.conversation.document_prefix_ids(engine.tokenizer))
+    await send(pilot, app, "What does the keeper log?")
+    [waiting] = messages(app, "user")
+    assert waiting.has_class("waiting") and app.busy
+    return total
+
+
+@pytest.mark.slow
+async def test_a_question_sent_during_a_prefill_waits_and_is_answered_after_it(
+    settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    app = KvchatApp(settings, engine=engine)
+    async with app.run_test(size=(140, 45)) as pilot:
+        total = await ask_during_a_prefill(pilot, app, engine, tmp_path)
+        assert not messages(app, "assistant")
+        await send(pilot, app, "And when?")  # one question waits at a time: given back
+        assert app.query_one("#prompt").text == "And when?"
+        assert any("already waiting" in n for n in notifications(app))
+        await wait_idle(pilot, app)
+        [question] = messages(app, "user")
+        [reply] = messages(app, "assistant")
+        assert not question.has_class("waiting") and question.answered
+        assert question.source == "What does the keeper log?"
+        assert reply.source.strip() and STOPPED_MARK not in reply.source
+        assert len(engine.session.tokens) > total  # the whole document, then the turn
+
+
+@pytest.mark.slow
+async def test_esc_stops_the_prefill_then_the_waiting_question(
+    settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    app = KvchatApp(settings, engine=engine)
+    async with app.run_test(size=(140, 45)) as pilot:
+        await ask_during_a_prefill(pilot, app, engine, tmp_path)
+        await pilot.press("escape")  # stops the document's prefill; the question starts
+        await wait_for(pilot, lambda: app.turn is not None)
+        await pilot.press("escape")  # stops the question
+        await wait_idle(pilot, app)
+        [question] = messages(app, "user")
+        assert not question.has_class("waiting")
+        assert not question.answered or STOPPED_MARK in messages(app, "assistant")[0].source
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ from kvchat.tui.messages import DocumentInfo
 
 STOPPED_MARK = "\n\n*[stopped]*"
 NO_ANSWER_MARK = "\n\n*[no answer]*"
+WAITING_MARK = "\n\n*[waiting: asked when the running step ends; Esc stops that step]*"
 # The punctuation that can start inline Markdown (emphasis, code, links, images, HTML,
 # entities, tables); a backslash before any ASCII punctuation shows it as itself.
 _MARKDOWN_PUNCTUATION = re.compile(r"([\\`*_{}\[\]()<>!#|~&+])")
@@ -51,6 +52,15 @@ class Question(ChatMessage):
         self.add_class("unanswered")
         await self.update(self.text + NO_ANSWER_MARK)
 
+    @property
+    def waiting(self) -> bool:
+        return self.has_class("waiting")
+
+    async def set_waiting(self, waiting: bool) -> None:
+        """Show the question as queued behind the running step, or as asked."""
+        self.set_class(waiting, "waiting")
+        await self.update(self.text + (WAITING_MARK if waiting else ""))
+
 
 class Reply(ChatMessage):
     """An assistant reply: streamed while generated, then set once in full.
@@ -85,6 +95,12 @@ class ChatPane(VerticalScroll):
         await self.mount(message)
         self.scroll_end(animate=False)
         return message
+
+    def move_to_end(self, message: ChatMessage) -> None:
+        """Show `message` last (a waiting question goes below what arrived after it)."""
+        if self.children and self.children[-1] is not message:
+            self.move_child(message, after=self.children[-1])
+        self.scroll_end(animate=False)
 
     async def add_user(self, text: str) -> Question:
         # The question as typed, rendered as Markdown like the replies (it is the user's own).
