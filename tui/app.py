@@ -73,6 +73,9 @@ T = TypeVar("T")
 THEMES = {Theme.DARK: "textual-dark", Theme.LIGHT: "textual-light"}
 
 
+NO_MODEL = "No model is loaded: /model PATH loads one."
+
+
 @dataclass
 class Turn:
     """A question being answered, kept until its step ends to record what became of it.
@@ -217,16 +220,26 @@ class KvchatApp(App[None]):
     def _engine_worker(self, kind: str, body: Callable[[], str]) -> None:
         bridge.run_step(kind, self.post, self.cancel_event, body)
 
-    def idle(self) -> bool:
-        """Whether the engine is free for a step; when not, says so."""
-        if self.engine is None or self.busy:
+    def idle(self, needs_engine: bool = True) -> bool:
+        """Whether the engine is free for a step (and, `needs_engine`, loaded); when not,
+        says so."""
+        if self.busy:
             self.notify("Busy: wait, or press Esc to stop the running step.", severity="warning")
+            return False
+        if needs_engine and self.engine is None:
+            self.notify(NO_MODEL, severity="warning")
             return False
         return True
 
-    def start_step(self, kind: str, state: str, body: Callable[[threading.Event], str]) -> bool:
+    def start_step(
+        self,
+        kind: str,
+        state: str,
+        body: Callable[[threading.Event], str],
+        needs_engine: bool = True,
+    ) -> bool:
         """Run `body(cancel)` in the worker unless one is running; False if refused."""
-        if not self.idle():
+        if not self.idle(needs_engine):
             return False
         self.busy, self.state = True, state
         self.cancel_event = cancel = threading.Event()
@@ -281,10 +294,9 @@ class KvchatApp(App[None]):
             await self.end_turn(message.stopped or message.error is not None)
         self.busy, self.state = False, READY
         if message.error:
-            # A first model that failed leaves no engine: nothing can run. A failed /model
-            # keeps the model loaded before.
+            # A first model that failed leaves no engine: only /model can run. A failed
+            # /model keeps the model loaded before.
             self.state = "model failed to load" if self.engine is None else READY
-            self.busy = self.engine is None
             self.notify(message.error, title=f"{message.kind} failed", severity="error")
         elif message.stopped:
             self.notify(message.detail or "stopped", title="stopped", severity="warning")
@@ -386,6 +398,10 @@ class KvchatApp(App[None]):
         if self.busy:
             await self.queue_question(message)
             return
+        if self.engine is None:
+            message.prompt.text = message.text  # given back instead of lost
+            self.notify(NO_MODEL, severity="warning")
+            return
         await self.ask_new(message.text)
 
     async def queue_question(self, message: PromptInput.Submitted) -> None:
@@ -393,7 +409,7 @@ class KvchatApp(App[None]):
         One question waits at a time: a second is given back to the prompt."""
         if self.queued is not None or self.engine is None:
             message.prompt.text = message.text  # given back instead of lost
-            busy = "A question is already waiting" if self.queued else "No model is loaded"
+            busy = "A question is already waiting" if self.queued else "The model is loading"
             self.notify(f"{busy}: wait, or press Esc to stop the running step.", severity="warning")
             return
         self.queued = await self.query_one("#chat", ChatPane).add_user(message.text)
@@ -604,6 +620,7 @@ class KvchatApp(App[None]):
             "model",
             f"loading model {spec}",
             lambda cancel: bridge.load_model(settings, spec, self.post),
+            needs_engine=False,
         )
 
     async def action_clear_chat(self) -> None:

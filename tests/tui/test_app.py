@@ -68,6 +68,25 @@ async def test_app_loads_its_own_model_in_the_worker(settings: Settings) -> None
         assert "context 0/" in status_text(app)
 
 
+async def test_a_failed_first_model_leaves_the_app_usable(
+    settings: Settings, tmp_path: Path
+) -> None:
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(60))
+    app = KvchatApp(settings, model_spec=str(broken))
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_for(pilot, lambda: "model failed" in status_text(app))
+        assert app.engine is None and not app.busy
+        assert any("broken.gguf" in n for n in notifications(app))
+        await send(pilot, app, "What now?")  # no model: the question is given back
+        assert app.query_one("#prompt").text == "What now?"
+        assert any("No model is loaded" in n for n in notifications(app))
+        app.query_one("#prompt", PromptInput).text = ""
+        await send(pilot, app, "/model smollm2-135m")
+        await wait_for(pilot, lambda: app.engine is not None and not app.busy)
+        assert app.engine.stats().model in status_text(app)
+
+
 async def test_a_kernel_build_shows_in_the_progress_bar(settings: Settings, engine: Engine) -> None:
     from kvchat.native import BuildProgress
     from kvchat.tui.messages import KernelBuild
