@@ -48,6 +48,7 @@ from kvchat.core.history import (
 
 from . import bridge
 from .commands import ACTIONS, Action, Command, UnknownCommand, help_text, parse_command
+from .log_notices import forward_engine_warnings
 from .messages import (
     ConversationResumed,
     DocumentInfo,
@@ -125,6 +126,7 @@ class KvchatApp(App[None]):
         self.reply: Reply | None = None
         self.turn: Turn | None = None  # the question the running reply step answers
         self.queued: Question | None = None  # a question sent while a step ran, shown waiting
+        self.stop_warnings: Callable[[], None] = lambda: None
         self.document: DocumentInfo | None = None
         self.history = History()  # $KVCHAT_HOME/conversations.sqlite3, opened on first use
         self.conversation_id: int | None = None  # saved from its first question on
@@ -154,6 +156,7 @@ class KvchatApp(App[None]):
         self.stats_timer = self.set_interval(
             1 / self.settings.ui.stats_refresh_hz, self.refresh_stats
         )
+        self.stop_warnings = forward_engine_warnings(self.post)
         for problem in prompt_clashes(self.settings.keys):
             self.notify(f"{self.config_path}: {problem}", severity="warning")
         if self.engine is None:
@@ -165,6 +168,7 @@ class KvchatApp(App[None]):
         self.refresh_stats()
 
     def on_unmount(self) -> None:
+        self.stop_warnings()
         # A thread worker cannot be killed: ask it to stop at the next chunk or token so
         # quitting does not wait for a long prefill to finish.
         self.cancel_event.set()

@@ -6,6 +6,8 @@ session on it); only the first test lets the app load its own model in its worke
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from textual.widgets import Input, Label
 from kvchat.config import Settings
 from kvchat.core.engine import Engine
 from kvchat.tui.app import KvchatApp
+from kvchat.tui.log_notices import NoticeHandler
 from kvchat.tui.messages import ReplyPiece, StepFinished
 from kvchat.tui.screens.load_file import LoadFileScreen
 from kvchat.tui.widgets.chat import STOPPED_MARK, ChatPane
@@ -85,6 +88,28 @@ async def test_a_failed_first_model_leaves_the_app_usable(
         await send(pilot, app, "/model smollm2-135m")
         await wait_for(pilot, lambda: app.engine is not None and not app.busy)
         assert app.engine.stats().model in status_text(app)
+
+
+async def test_engine_warnings_become_notifications(settings: Settings, engine: Engine) -> None:
+    app = KvchatApp(settings, engine=engine)
+    async with app.run_test(size=(140, 45)) as pilot:
+        logging.getLogger("kvchat.native").warning(
+            "the C++ kernels for %s could not be built (%s); %s",
+            "decode attention",
+            "no C++ compiler",
+            "using torch",
+        )
+        worker = threading.Thread(  # as the engine's worker thread logs
+            target=logging.getLogger("kvchat.core.snapshot").warning,
+            args=("snapshot %s cannot be read (%s); skipped", "3f2a", "I/O error"),
+        )
+        worker.start()
+        worker.join()
+        await wait_for(pilot, lambda: len(notifications(app)) >= 2)
+        shown = notifications(app)
+        assert any("could not be built (no C++ compiler); using torch" in n for n in shown)
+        assert any("snapshot 3f2a cannot be read (I/O error); skipped" in n for n in shown)
+    assert not any(isinstance(h, NoticeHandler) for h in logging.getLogger("kvchat").handlers)
 
 
 async def test_a_kernel_build_shows_in_the_progress_bar(settings: Settings, engine: Engine) -> None:
