@@ -680,7 +680,12 @@ class Engine:
             "weight products": cpu_ops.load() is not None,
         }
         built = ", ".join(f"{k} {'C++' if ok else 'torch'}" for k, ok in kernels.items())
-        products = "fp32 on widened bf16" if widened_products(device, model.dtype) else dtype
+        products = dtype
+        if widened_products(device, model.dtype):
+            # Packed int4 weights keep their integer product for many rows too (core/linear.py).
+            ops = cpu_ops.load()
+            int4 = self.weight_format == "int4" and ops is not None and ops.int4_vectorized
+            products = "int4 integer kernel" if int4 else "fp32 on widened bf16"
         lowered = f" ({LEVEL_ENV}; the CPU runs {machine_level().value})"
         return (
             f"compute: {cpu_name()}, {level.value} kernels"

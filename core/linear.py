@@ -113,15 +113,16 @@ class Int4Linear:
 
 class PackedInt4Linear:
     """y = x @ W.T for the same int4 weights in core/csrc/int4_layer.cpp's layout (`ops`, where
-    it has a vector path: AVX-512 VNNI or AVX2): rows up to a few dozen through its int4
-    product (a decode step's four products a layer also run fused, see core/int4_layer.py),
-    more rows (prefill chunks) through a matrix product (bf16, or fp32 on the widened values:
-    kvchat.native.cpu) with the weight unpacked for the call: torch's int4 kernel takes ~6x
-    longer for a 2048-row chunk (SmolLM2's gate_up on a Xeon: 105 ms; unpacking 1.5 ms, the
-    bf16 product 15 ms). The unpacked
-    weight is q * scale + minimum rounded to bf16; the int4 product rounds each input row to
-    16-bit integers per group of 32 (within 1/65024 of the group's largest value), multiplies
-    exactly and sums in int32, then in fp32."""
+    it has a vector path: AVX-512 VNNI or AVX2). Rows up to a few dozen go through its int4
+    product (a decode step's four products a layer also run fused, see core/int4_layer.py).
+    More rows (prefill chunks) go, where bf16 products are in hardware, through a bf16 matrix
+    product with the weight unpacked for the call (torch's int4 kernel takes ~6x longer for a
+    2048-row chunk: SmolLM2's gate_up on a Xeon 105 ms, unpacking 1.5 ms and the product
+    15 ms); elsewhere through the int4 product too, which beats fp32 products on the widened
+    values (2048 rows by gate_up on the AVX2 build: 29 ms against 42). The unpacked weight is
+    q * scale + minimum rounded to bf16; the int4 product rounds each input row to 16-bit
+    integers per group of 32 (within 1/65024 of the group's largest value), multiplies exactly
+    and sums in int32, then in fp32."""
 
     # Rows from which unpacking the weight and a bf16 product beat the int4 product (on a
     # Xeon, the best of 5: gate_up 0.83 against 1.79 ms at 48 rows, 1.03 against 1.15 at 64,
@@ -132,18 +133,16 @@ class PackedInt4Linear:
         self.pack, self.bias, self._ops = pack, bias, ops
         self.out_features = pack.out_features
         self.nbytes = self.read_bytes = pack.nbytes + _nbytes(bias)
-        self._matrix_product = (
-            widened_linear if widened_products(torch.device("cpu"), torch.bfloat16) else F.linear
-        )
+        widened = widened_products(torch.device("cpu"), torch.bfloat16)
+        self._unpack_rows = None if widened else self.UNPACK_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        if rows.shape[0] < self.UNPACK_ROWS:
+        if self._unpack_rows is None or rows.shape[0] < self._unpack_rows:
             y = self._ops.int4_linear(rows, *self.pack.parts)
             y = y if self.bias is None else y + self.bias
         else:
-            weight = self._ops.int4_dequantize(*self.pack.parts)
-            y = self._matrix_product(rows, weight, self.bias)
+            y = F.linear(rows, self._ops.int4_dequantize(*self.pack.parts), self.bias)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
 

@@ -1,5 +1,6 @@
 // GGUF Q4_0 / Q4_1 weights on the CPU in a packed layout of our own: int4_linear (products of
-// a few rows), int4_dequantize (the bf16 weight, for the bf16 products of prefill chunks), and
+// any number of rows; prefill chunks use it where bf16 products are not in hardware),
+// int4_dequantize (the bf16 weight, for the bf16 products of prefill chunks elsewhere), and
 // a decode token's pass through a layer's projections in two calls of an Int4Layer, qkv
 // (RMSNorm, then q, k and v) and tail (the output projection and the residual, RMSNorm, gate
 // and up, SiLU-and-multiply, down and the residual), each in one parallel region.
@@ -210,7 +211,62 @@ void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out
       _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16 * (t + i) + 8 * half),
                        kvchat::bf16x8(acc[i][half]));
 }
-#else
+
+// R input rows by half h of tile t (8 output rows), for products of many rows (prefill chunks
+// on CPUs without bf16 products): each weight chunk is loaded and split into nibbles once for
+// the R rows, where int4_tiles reloads it from L2 for every row. The arithmetic is
+// int4_tiles', in its order, so both give the same bits.
+template <int R>
+void int4_rows(const Int4Matrix& m, const QuantRow* x, int64_t t, int h, int64_t N,
+               uint16_t* out) {
+  const int64_t K = m.K, G = K / 32;
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m256i high[R], low[R];
+    for (int r = 0; r < R; ++r) high[r] = low[r] = _mm256_setzero_si256();
+    // Not unrolled: GCC then forms all four chunks' products before adding them and spills.
+#pragma GCC unroll 1
+    for (int c = 0; c < 4; ++c) {
+      const int64_t k = 32 * g + 8 * c;
+      const __m256i w = _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(m.packed + t * 8 * K + g * 256 + 64 * c + 32 * h));
+      const __m256i q0 = _mm256_and_si256(w, nibble);
+      const __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+      for (int r = 0; r < R; ++r) {
+        const __m256i h0 = kvchat::broadcast4_256(x[r].high + k);
+        const __m256i h1 = kvchat::broadcast4_256(x[r].high + k + 4);
+        const __m256i l0 = kvchat::broadcast4_256(x[r].low + k);
+        const __m256i l1 = kvchat::broadcast4_256(x[r].low + k + 4);
+        high[r] = _mm256_add_epi16(
+            high[r],
+            _mm256_add_epi16(_mm256_maddubs_epi16(q0, h0), _mm256_maddubs_epi16(q1, h1)));
+        low[r] = _mm256_add_epi16(
+            low[r], _mm256_add_epi16(_mm256_maddubs_epi16(q0, l0), _mm256_maddubs_epi16(q1, l1)));
+      }
+    }
+    const int64_t at = (t * G + g) * 16 + 8 * h;
+    const __m256 s =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m.scale + at)));
+    const __m256 mn =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m.minimum + at)));
+    for (int r = 0; r < R; ++r) {
+      const __m256i d = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(high[r], ones), 8),
+                                         _mm256_madd_epi16(low[r], ones));
+      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(x[r].scale[g])),
+                               _mm256_cvtepi32_ps(d), acc[r]);
+      acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x[r].sums[g]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * N + 16 * t + 8 * h),
+                     kvchat::bf16x8(acc[r]));
+}
+#endif
+
+#if !KVCHAT_VNNI && !KVCHAT_AVX2_INT
 // The same products one value at a time (CPUs without AVX2 or AVX-512 VNNI; core/linear.py
 // uses torch's kernel there, this keeps the op correct everywhere).
 template <int NT>
@@ -247,6 +303,37 @@ void int4_range(const Int4Matrix& m, const QuantRow& x, int64_t t0, int64_t t1, 
   if (t < t1) int4_tiles<1>(m, x, t, out);
 }
 
+#if KVCHAT_AVX2_INT
+// Rows up to this many share each tile's weights while they sit in L1.
+constexpr int64_t kRowBlock = 64;
+
+// The M rows by output tiles [t0, t1): in blocks of rows that go through each tile four at a
+// time (int4_rows; 4 rows keep their sums in 12 of the 16 vector registers).
+void int4_block(const Int4Matrix& m, const QuantRow* x, int64_t M, int64_t t0, int64_t t1,
+                uint16_t* out) {
+  const int64_t N = 16 * m.T;
+  for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
+    const int64_t r1 = std::min(M, r0 + kRowBlock);
+    for (int64_t t = t0; t < t1; ++t) {
+      int64_t r = r0;
+      for (; r + 4 <= r1; r += 4)
+        for (int h = 0; h < 2; ++h) int4_rows<4>(m, x + r, t, h, N, out + r * N);
+      for (int h = 0; h < 2; ++h) switch (r1 - r) {
+          case 3: int4_rows<3>(m, x + r, t, h, N, out + r * N); break;
+          case 2: int4_rows<2>(m, x + r, t, h, N, out + r * N); break;
+          case 1: int4_rows<1>(m, x + r, t, h, N, out + r * N); break;
+          default: break;
+        }
+    }
+  }
+}
+#else
+void int4_block(const Int4Matrix& m, const QuantRow* x, int64_t M, int64_t t0, int64_t t1,
+                uint16_t* out) {
+  for (int64_t r = 0; r < M; ++r) int4_range(m, x[r], t0, t1, out + r * 16 * m.T);
+}
+#endif
+
 // Thread tid's share of n tiles among nth threads, in whole pairs (two tiles are 32 rows: one
 // input group of the next product).
 std::pair<int64_t, int64_t> share(int64_t n, int tid, int nth) {
@@ -275,17 +362,19 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   const int64_t N = 16 * m.T;
   auto out = torch::empty({M, N}, x.options());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
-  std::vector<QuantBuffer> rows;
-  rows.reserve(M);
-  for (int64_t r = 0; r < M; ++r) {
-    rows.emplace_back(K);
-    quantize_groups(xp + r * K, K, rows.back());
-  }
+  QuantBuffer quantized(M * K);
+  std::vector<QuantRow> rows(M);
   const int nth = at::get_num_threads();
 #pragma omp parallel num_threads(nth)
   {
-    const auto [lo, hi] = share(m.T, omp_get_thread_num(), omp_get_num_threads());
-    for (int64_t r = 0; r < M; ++r) int4_range(m, rows[r].row(), lo, hi, op + r * N);
+    const int tid = omp_get_thread_num(), n = omp_get_num_threads();
+    for (int64_t r = M * tid / n; r < M * (tid + 1) / n; ++r) {
+      quantize_groups(xp + r * K, K, quantized, r * (K / 32));
+      rows[r] = quantized.row(r * (K / 32));
+    }
+#pragma omp barrier
+    const auto [lo, hi] = share(m.T, tid, n);
+    int4_block(m, rows.data(), M, lo, hi, op);
   }
   return out;
 }

@@ -44,7 +44,7 @@ struct QuantRow {
   const int32_t* int_sums;
 };
 
-// Storage for a QuantRow of K inputs.
+// Storage for K inputs: a QuantRow, or rows side by side, each starting at its first group.
 struct QuantBuffer {
   std::vector<int16_t> x16;
   std::vector<int8_t> high, low;
@@ -52,8 +52,9 @@ struct QuantBuffer {
   std::vector<int32_t> int_sums;
   explicit QuantBuffer(int64_t K)
       : x16(K), high(K), low(K), scale(K / 32), sums(K / 32), int_sums(K / 32) {}
-  QuantRow row() const {
-    return {x16.data(), high.data(), low.data(), scale.data(), sums.data(), int_sums.data()};
+  QuantRow row(int64_t g0 = 0) const {
+    return {x16.data() + 32 * g0, high.data() + 32 * g0, low.data() + 32 * g0,
+            scale.data() + g0,    sums.data() + g0,      int_sums.data() + g0};
   }
 };
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kvchat.core import cpu_ops
 from kvchat.core.int4_layer import Int4DecodeLayer, pack_int4
-from kvchat.core.linear import PackedInt4Linear, widened_linear
+from kvchat.core.linear import PackedInt4Linear
 from kvchat.core.weights import Int4Groups
 from kvchat.native.cpu import cpu_level, machine_level, widened_products
 
@@ -145,7 +145,7 @@ def test_the_fused_calls_equal_the_single_ops_one_after_another(threads, bias):
         torch.set_num_threads(before)
 
 
-def test_many_rows_go_through_the_unpacked_bf16_weight():
+def test_many_rows_go_through_the_unpacked_bf16_weight_where_bf16_products_are_in_hardware():
     groups = _groups(96, 128)
     pack = pack_int4(groups)
     assert pack is not None
@@ -155,10 +155,27 @@ def test_many_rows_go_through_the_unpacked_bf16_weight():
     linear = PackedInt4Linear(pack, bias, OPS)
     few, many = _bf16(2, 128, seed=3), _bf16(PackedInt4Linear.UNPACK_ROWS, 128, seed=4)
     assert torch.equal(linear(few), OPS.int4_linear(few, *pack.parts) + bias)
-    # The level's product for many rows: bf16 in hardware, or fp32 on the widened values.
-    product = widened_linear if widened_products(unpacked.device, unpacked.dtype) else F.linear
-    assert torch.equal(linear(many), product(many, unpacked, bias))
+    # Many rows: the bf16 product in hardware, else the int4 product (it beats fp32 products
+    # on the widened values).
+    if widened_products(unpacked.device, unpacked.dtype):
+        assert torch.equal(linear(many), OPS.int4_linear(many, *pack.parts) + bias)
+    else:
+        assert torch.equal(linear(many), F.linear(many, unpacked, bias))
     assert torch.equal(linear(many.unsqueeze(0)), linear(many).unsqueeze(0))  # [B, T, K] too
+
+
+def test_the_int4_product_of_many_rows_equals_its_rows_one_at_a_time():
+    """A prefill chunk's rows share each weight tile (four at a time, in blocks); every row
+    still gets the bits of its own single-row product, remainders of 1-3 rows included."""
+    groups = _groups(160, 256)
+    pack = pack_int4(groups)
+    assert pack is not None
+    for n_rows in (4, 67, 130):
+        x = _bf16(n_rows, 256, seed=n_rows)
+        many = OPS.int4_linear(x, *pack.parts)
+        single = torch.cat([OPS.int4_linear(x[r : r + 1], *pack.parts) for r in range(n_rows)])
+        assert torch.equal(many, single), n_rows
+        assert (many.float() - x.float() @ groups.dequantize().T).abs().max() < 0.05
 
 
 def test_the_bundled_model_runs_on_the_packed_weights_close_to_its_exact_weights(engine_fp32):
