@@ -82,8 +82,9 @@ def _num(value: float | None) -> str:
 class ModelSettings:
     path: str = setting(
         "smollm2-135m",
-        "Model to load: the name of a bundled model, a path to a .gguf file, "
-        "or a Hugging Face model folder (config.json + *.safetensors + tokenizer).",
+        "Model to load: the name of a bundled model, a path to a .gguf file, a Hugging Face "
+        "model folder (config.json + *.safetensors + tokenizer), org/name[:QUANT] from the "
+        "Hugging Face cache, or ollama:NAME[:TAG] (`kvchat models` lists what is found).",
     )
     dtype: ModelDtype = setting(
         ModelDtype.AUTO,

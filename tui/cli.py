@@ -207,6 +207,32 @@ def _table(rows: list[tuple[str, ...]]) -> str:
     return "\n".join(lines)
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from kvchat.core.model_sources import hf_cache_dir, local_models, ollama_store
+
+    models = local_models()
+    stores = {"hf_cache": str(hf_cache_dir()), "ollama": str(ollama_store())}
+    if args.json:
+        rows = [{**vars(m), "path": None if m.path is None else str(m.path)} for m in models]
+        print(json.dumps({"models": rows, "searched": stores}, indent=2))
+        return 0
+    rows = [
+        (
+            m.spec,
+            "-" if m.size_bytes is None else format_size(m.size_bytes),
+            m.architecture or "-",
+            "-" if m.context is None else str(m.context),
+            m.status,
+        )
+        for m in models
+    ]
+    # Names and notes come from files others wrote: shown, never obeyed, one line each.
+    safe = [tuple(terminal_safe(cell).replace("\n", " ") for cell in row) for row in rows]
+    print(_table([("MODEL", "SIZE", "ARCH", "CONTEXT", "SUPPORTED"), *safe]))
+    print(f"searched the Hugging Face cache {stores['hf_cache']} and Ollama's {stores['ollama']}")
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     if args.output is not None and args.action != "docs":
         print("kvchat: error: --output is for `kvchat config docs`", file=sys.stderr)
@@ -524,6 +550,13 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("action", choices=["list", "rm", "clear"])
     cache.add_argument("id", nargs="?", help="for rm: a snapshot id, or a unique start of one")
     cache.set_defaults(func=cmd_cache)
+
+    models = sub.add_parser(
+        "models",
+        help="models on this machine (bundled, Hugging Face cache, Ollama) and their --model",
+    )
+    models.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    models.set_defaults(func=cmd_models)
     return parser
 
 

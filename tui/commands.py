@@ -107,8 +107,9 @@ ACTIONS = (
         "Load model",
         "Load another model",
         command="model",
-        arg="[PATH]",
-        arg_help="no PATH: the model of the settings, again",
+        arg="[MODEL]",
+        arg_help="a path, org/name from the Hugging Face cache or ollama:NAME; none: the "
+        "model of the settings, again",
         palette_types=True,
     ),
 )
