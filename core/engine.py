@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import BinaryIO
 
 import torch
 
@@ -34,7 +35,7 @@ from . import cpu_ops
 from .cancel import Cancelled
 from .conversation import Conversation
 from .device import configure_threads, resolve_device, resolve_dtype
-from .documents import Document, DocumentTooLongError, read_document
+from .documents import Document, DocumentTooLongError
 from .memory import available_memory, process_rss, release_freed_memory
 from .model import Transformer
 from .model_config import ModelConfig
@@ -49,6 +50,7 @@ from .snapshot import (
     model_identity,
     snapshot_dir,
 )
+from .sources import read_sources
 from .tokenizer import Tokenizer, TooManyTokensError, load_tokenizer
 from .weights import load_weights, resolve_model_path
 
@@ -708,12 +710,14 @@ class Engine:
             self.runtime_bytes,
         )
 
-    def read_document(self, path: str | Path) -> Document:
-        """The document at `path`; a file whose size alone shows more tokens than
-        long_context.max_seq_len holds is refused before it is read."""
+    def read_document(self, *paths: str | Path, stdin: BinaryIO | None = None) -> Document:
+        """The document `paths` make (core/sources.py; `stdin` is what "-" reads); a file
+        whose size alone shows more tokens than long_context.max_seq_len holds is refused
+        before it is read, a folder as soon as its text does."""
         limit = self.settings.long_context.max_seq_len
+        max_bytes = limit * self.tokenizer.bytes_per_token_bound
         try:
-            return read_document(path, max_bytes=limit * self.tokenizer.bytes_per_token_bound)
+            return read_sources(paths, max_bytes=max_bytes, stdin=stdin)
         except DocumentTooLongError as e:
             fewest = self.tokenizer.fewest_tokens(e.size_bytes)
             raise PlanRefusedError(

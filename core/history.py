@@ -241,9 +241,9 @@ def to_markdown(conversation: SavedConversation) -> str:
     ]
     doc = conversation.document
     if doc is not None:
+        paths = ", ".join(f"`{path}`" for path in doc.path.split("\n"))  # one a line, if several
         lines.append(
-            f"- document: {doc.name} ({doc.size_bytes:,} bytes, {doc.tokens:,} tokens), "
-            f"`{doc.path}`"
+            f"- document: {doc.name} ({doc.size_bytes:,} bytes, {doc.tokens:,} tokens), {paths}"
         )
     if conversation.system:
         lines += ["", "## System prompt", "", conversation.system]

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import inspect
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
@@ -107,19 +107,22 @@ class KvchatApp(App[None]):
         *,
         engine: Engine | None = None,
         model_spec: str | None = None,
-        prompt_file: str | Path | None = None,
+        paths: Sequence[str | Path] = (),
+        stdin: BinaryIO | None = None,
         config_path: Path | None = None,
     ) -> None:
         """`engine`: an already loaded engine to use (tests share one); else the app loads
-        `model_spec` (default settings.model.path) in its worker at start. The settings
-        screen saves to `config_path` (default: the user's config file)."""
+        `model_spec` (default settings.model.path) in its worker at start. `paths`: the
+        document to load once the model is ready; `stdin`: what "-" among them reads. The
+        settings screen saves to `config_path` (default: the user's config file)."""
         super().__init__()
         self.settings = settings
         self.config_path = config_path or default_config_path()
         self.set_keymap(asdict(settings.keys))
         self.engine = engine
         self.model_spec = model_spec
-        self.prompt_file = prompt_file
+        self.paths = list(paths)
+        self.stdin = stdin
         self.state = "loading model…" if engine is None else READY
         self.busy = engine is None  # an engine step is running; guards the one-thread engine
         self.cancel_event = threading.Event()
@@ -317,17 +320,20 @@ class KvchatApp(App[None]):
             await self.ask_queued()
 
     def _after_model(self) -> None:
-        if self.prompt_file is not None:
-            path, self.prompt_file = Path(self.prompt_file), None
-            self.load_document(path)
+        if self.paths:
+            paths, self.paths = self.paths, []
+            self.load_document(*paths)
 
     # ---- user actions --------------------------------------------------------------------
-    def load_document(self, path: Path) -> None:
-        engine = self.engine
+    def load_document(self, *paths: str | Path) -> None:
+        """Load the document `paths` make: a file, a folder, several, "-" for the standard
+        input given at start (read once: the first load takes it)."""
+        engine, stdin, self.stdin = self.engine, self.stdin, None
+        names = ", ".join(Path(path).name or str(path) for path in paths)
         self.start_step(
             "document",
-            f"loading {path.name}",
-            lambda cancel: bridge.load_document(engine, path, self.post, cancel),  # type: ignore[arg-type]
+            f"loading {names}",
+            lambda cancel: bridge.load_document(engine, paths, self.post, cancel, stdin),  # type: ignore[arg-type]
         )
 
     def ask(self, turn: Turn) -> bool:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import BinaryIO
 
 from textual.message import Message
 
@@ -25,6 +26,7 @@ from kvchat.core.errors import USER_ERRORS
 from kvchat.core.history import SavedConversation
 from kvchat.core.plan import PlanRefusedError
 from kvchat.core.snapshot import PrefillReport, format_size
+from kvchat.core.sources import STDIN
 from kvchat.native import build_reports
 
 from .messages import (
@@ -111,30 +113,42 @@ def load_model(settings: Settings, model_spec: str | None, post: Post) -> str:
     return f"loaded {engine.source.name}"
 
 
-def load_document(engine: Engine, path: str | Path, post: Post, cancel: threading.Event) -> str:
-    """Read and tokenize `path`, check it fits, then (only then) replace the session and
-    prefill the document so the first question only prefills itself.
+def load_document(
+    engine: Engine,
+    paths: Sequence[str | Path],
+    post: Post,
+    cancel: threading.Event,
+    stdin: BinaryIO | None = None,
+) -> str:
+    """Read and tokenize the document `paths` make (`stdin`: what "-" reads), check it fits,
+    then (only then) replace the session and prefill the document so the first question only
+    prefills itself.
 
     Any refusal before the swap leaves the current document and session untouched.
     """
-    doc = engine.read_document(path)
+    doc = engine.read_document(*paths, stdin=stdin)
     return _open_document(engine, doc, Conversation(), post, cancel, DocumentLoaded)
 
 
 def resume(engine: Engine, saved: SavedConversation, post: Post, cancel: threading.Event) -> str:
     """Replace the session with a saved conversation: its system prompt and turns, over its
-    document when the file is still there and unchanged (reloaded like `load_document`),
+    document when its files are still there and unchanged (reloaded like `load_document`),
     else without it. The next question prefills what the cache does not hold yet."""
     history = Conversation(system=saved.system, messages=saved.turns())
     doc, problem = None, ""
     if saved.document is not None:
-        try:
-            doc = engine.read_document(saved.document.path)
-        except (DocumentError, PlanRefusedError) as e:
-            problem = str(e)
+        paths = saved.document.path.split("\n")
+        if STDIN in paths:
+            problem = "it came from standard input, which cannot be read again"
         else:
-            if doc.sha256 != saved.document.sha256:
-                doc, problem = None, f"{saved.document.path}: the file changed since then"
+            try:
+                doc = engine.read_document(*paths)
+            except (DocumentError, PlanRefusedError) as e:
+                problem = str(e)
+            else:
+                if doc.sha256 != saved.document.sha256:
+                    what = "its files" if doc.files else "the file"
+                    doc, problem = None, f"{', '.join(paths)}: {what} changed since then"
     if doc is not None:
         return _open_document(
             engine, doc, history, post, cancel, lambda info: ConversationResumed(saved, info, "")
@@ -162,8 +176,16 @@ def _open_document(
     max_new = engine.settings.generation.max_new_tokens
     engine.check_fits(len(prefix), max_new)
     session = engine.new_session(replace(candidate, messages=list(history.messages)))
-    path = str(doc.path.resolve())
-    info = DocumentInfo(doc.name, doc.size_bytes, len(ids), _head(doc.text), path, doc.sha256)
+    info = DocumentInfo(
+        doc.name,
+        doc.size_bytes,
+        len(ids),
+        _head(doc.text),
+        _saved_paths(doc),
+        doc.sha256,
+        len(doc.files),
+        doc.skipped,
+    )
     post(announce(info))
     report = progress_reporter(post, "prefill")
     report(0, len(prefix))
@@ -171,6 +193,12 @@ def _open_document(
     for warning in prefill.warnings:
         post(Notice(warning, title="snapshot", severity="warning"))
     return _ready(doc.name, len(prefix), prefill)
+
+
+def _saved_paths(doc: Document) -> str:
+    """The paths `resume` reads again, absolute, one a line; "-" (standard input) stays, for
+    `resume` to say it cannot be read again."""
+    return "\n".join(str(p) if str(p) == STDIN else str(p.resolve()) for p in doc.paths)
 
 
 def _ready(name: str, n_tokens: int, prefill: PrefillReport) -> str:

@@ -1,23 +1,25 @@
 """The `kvchat` command: the Textual app by default, and headless subcommands (ask, config,
-plan, bench)."""
+plan, bench, cache, models)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
 import json
+import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 from kvchat.bench.needles import Task, ValueKind
 from kvchat.config import load_settings, settings_markdown, settings_to_yaml
 from kvchat.core.cancel import Cancelled
-from kvchat.core.documents import DocumentError, check_document
+from kvchat.core.documents import DocumentError
 from kvchat.core.errors import USER_ERRORS
+from kvchat.core.folders import skip_summary
 from kvchat.core.snapshot import (
     PrefillReport,
     SnapshotError,
@@ -26,6 +28,7 @@ from kvchat.core.snapshot import (
     format_size,
     snapshot_dir,
 )
+from kvchat.core.sources import STDIN, check_sources
 from kvchat.core.terminal_text import terminal_safe
 from kvchat.native import BuildProgress, build_reports
 
@@ -101,13 +104,16 @@ def cmd_ask(args: argparse.Namespace) -> int:
     for warning in loaded.warnings:
         print(f"kvchat: warning: {warning}", file=sys.stderr)
     settings = loaded.settings
-    check_document(args.prompt_file)  # refused before the model loads: no read, no wait
+    paths = args.prompt_file
+    check_sources(paths)  # refused before the model loads: no read, no wait
+    if STDIN in paths and args.question is None:
+        raise DocumentError("the document is standard input (-): give the question as an argument")
     question = args.question if args.question is not None else sys.stdin.read()
     if not question.strip():
         raise DocumentError("no question given: pass it as an argument or on standard input")
     engine = Engine.load(settings, args.model)
     tokenizer = engine.tokenizer
-    doc = engine.read_document(args.prompt_file)
+    doc = engine.read_document(*paths, stdin=None if sys.stdin is None else sys.stdin.buffer)
     ids = engine.encode_document(doc, ProgressLine("tokenize") if args.verbose else None)
     conversation = Conversation(document_ids=ids, document_name=doc.name)
     prompt = conversation.prompt_ids(tokenizer, question)
@@ -116,6 +122,11 @@ def cmd_ask(args: argparse.Namespace) -> int:
     if args.verbose:
         print(f"kvchat: {engine.compute_summary()}", file=sys.stderr)
         print(f"{doc.name}: {doc.size_bytes} bytes, {len(ids)} tokens", file=sys.stderr)
+        if doc.files:
+            summary = f"; {skip_summary(doc.skipped)}" if doc.skipped else ""
+            print(f"{doc.name}: {len(doc.files)} files read{summary}", file=sys.stderr)
+        for skipped in doc.skipped:  # names others chose: shown, never obeyed
+            print(f"skipped {terminal_safe(skipped.path)} ({skipped.reason})", file=sys.stderr)
     cancel = threading.Event()
     try:
         report = session.prefill_document(
@@ -380,7 +391,8 @@ def _add_common_options(parser: argparse.ArgumentParser, default: object) -> Non
         "--model",
         metavar="M",
         default=default,
-        help="bundled model name, GGUF file or HF folder",
+        help="bundled model name, GGUF file, HF folder, org/name[:QUANT] from the Hugging Face "
+        "cache or ollama:NAME[:TAG] (`kvchat models` lists them)",
     )
 
 
@@ -391,15 +403,64 @@ def cmd_app(args: argparse.Namespace) -> int:
     loaded = _load(args)
     for warning in loaded.warnings:
         print(f"kvchat: warning: {warning}", file=sys.stderr)
+    paths = list(args.paths)
     if args.prompt_file is not None:
-        check_document(args.prompt_file)  # a bad file is refused here, before the app starts
+        if paths:
+            raise DocumentError("give the document as paths or as --prompt-file, not both")
+        paths = [args.prompt_file]
+    stdin = None
+    if paths:
+        check_sources(paths)  # a bad path is refused here, before the app starts
+        if STDIN in paths:
+            stdin = _piped_stdin()
     KvchatApp(
         loaded.settings,
         model_spec=args.model,
-        prompt_file=args.prompt_file,
+        paths=paths,
+        stdin=stdin,
         config_path=loaded.path,
     ).run()
     return 0
+
+
+def _piped_stdin() -> BinaryIO:
+    """Standard input, moved to a descriptor of its own, with the terminal put back in its
+    place: the app reads its keys from standard input."""
+    if sys.stdin is None or sys.stdin.isatty():
+        raise DocumentError("-: standard input is the terminal; pipe the document in")
+    try:
+        terminal = os.open("/dev/tty", os.O_RDWR)
+    except OSError:
+        raise DocumentError(
+            "-: the app needs a terminal for its keys; `kvchat ask --prompt-file -` needs none"
+        ) from None
+    piped = os.dup(0)
+    os.dup2(terminal, 0)
+    os.close(terminal)
+    return os.fdopen(piped, "rb")
+
+
+class _CommandOrPaths(argparse._SubParsersAction):
+    """The subcommand the first word names; any other first word starts the paths the app
+    loads (argparse cannot give one parser both subcommands and a positional). A path named
+    like a subcommand is given as ./ask."""
+
+    PATHS = "--paths"  # no first word is this: a word that starts with - is an option
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.choices = None  # any first word is valid: argparse checks none
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Sequence[str],
+        option_string: str | None = None,
+    ) -> None:
+        if values[0] not in self._name_parser_map:
+            values = [self.PATHS, *values]
+        super().__call__(parser, namespace, values, option_string)
 
 
 def _version() -> str:
@@ -421,15 +482,32 @@ def build_parser() -> argparse.ArgumentParser:
     _add_common_options(parser, default=None)
     parser.add_argument("--version", action="version", version=f"kvchat {_version()}")
     parser.add_argument(
-        "--prompt-file", metavar="FILE", help="the app: load this document at start"
+        "--prompt-file",
+        metavar="PATH",
+        help="the app: load this document at start (or: kvchat PATH)",
     )
+    parser.set_defaults(paths=[])
     common = argparse.ArgumentParser(add_help=False)
     _add_common_options(common, default=argparse.SUPPRESS)
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    parser.register("action", "parsers", _CommandOrPaths)
+    sub = parser.add_subparsers(
+        dest="command",
+        metavar="COMMAND | PATH",
+        help="a subcommand, or the app's document: files and folders, read as one (a folder as "
+        "a code base: what git ignores left out), - for standard input",
+    )
+    paths = sub.add_parser(_CommandOrPaths.PATHS, parents=[common], prog=parser.prog)
+    paths.add_argument("paths", nargs="+", metavar="PATH")
+    paths.set_defaults(command=None)
 
     ask = sub.add_parser("ask", parents=[common], help="answer one question about a file, headless")
     ask.add_argument(
-        "--prompt-file", required=True, metavar="FILE", help="the document to question"
+        "--prompt-file",
+        action="append",
+        required=True,
+        metavar="PATH",
+        help="the document to question: a file, a folder, - for standard input (repeatable: "
+        "the paths are read as one document)",
     )
     ask.add_argument(
         "--verbose", "-v", action="store_true", help="report sizes and speed on stderr"

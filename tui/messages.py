@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
+from kvchat.core.documents import Skipped
 from kvchat.core.engine import Engine
 from kvchat.core.history import SavedConversation
 from kvchat.native import BuildProgress
@@ -45,8 +46,12 @@ class DocumentInfo:
     size_bytes: int
     tokens: int
     head: str  # the first few lines, cut short
-    path: str = ""  # absolute; with sha256, what a saved conversation reloads on resume
+    # The paths, absolute, one a line ("-": standard input); with sha256, what a saved
+    # conversation reloads on resume.
+    path: str = ""
     sha256: str = ""
+    files: int = 0  # files read under header lines (a folder, several paths); 0: one file
+    skipped: tuple[Skipped, ...] = ()
 
 
 class DocumentLoaded(Message):

@@ -127,6 +127,14 @@ def test_markdown_export(history: History, tmp_path: Path, monkeypatch) -> None:
     assert named.read_text() == text
 
 
+def test_the_export_names_each_path_of_a_document_read_from_several(history: History) -> None:
+    several = SavedDocument("/data/notes.txt\n/data/src", "notes.txt and 1 more", 90, 30, "cd" * 32)
+    cid = history.create("SmolLM2-135M", None, several)
+    text = to_markdown(history.load(cid))
+    assert "- document: notes.txt and 1 more (90 bytes, 30 tokens), `/data/notes.txt`, " in text
+    assert "`/data/src`\n" in text
+
+
 def test_bad_files_give_a_readable_error(tmp_path: Path, history: History) -> None:
     not_db = tmp_path / "notes.sqlite3"
     not_db.write_text("this is not a database, just text " * 100)

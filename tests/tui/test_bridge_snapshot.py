@@ -33,13 +33,13 @@ def test_loading_a_document_again_uses_its_snapshot_and_says_so(
     doc.write_text(text[:1200])
 
     posted: list[Message] = []
-    first = bridge.load_document(engine, doc, posted.append, threading.Event())
+    first = bridge.load_document(engine, [doc], posted.append, threading.Event())
     assert first.startswith("harrow.txt is ready: ") and "tokens prefilled" in first
     assert "saved as snapshot" in first
     [snapshot] = engine.snapshot_dir.glob("*.kvsnap")
     assert snapshot.stem in first
 
-    again = bridge.load_document(engine, doc, posted.append, threading.Event())
+    again = bridge.load_document(engine, [doc], posted.append, threading.Event())
     assert f"tokens from snapshot {snapshot.stem} in " in again
     assert "(prefill would take ~" in again and "prefilled" not in again
     assert not [m for m in posted if isinstance(m, Notice)]
@@ -47,7 +47,7 @@ def test_loading_a_document_again_uses_its_snapshot_and_says_so(
     data = bytearray(snapshot.read_bytes())
     data[-100] ^= 0xFF
     snapshot.write_bytes(bytes(data))
-    damaged = bridge.load_document(engine, doc, posted.append, threading.Event())
+    damaged = bridge.load_document(engine, [doc], posted.append, threading.Event())
     assert "tokens prefilled" in damaged
     [notice] = [m for m in posted if isinstance(m, Notice)]
     assert notice.severity == "warning" and notice.title == "snapshot"

@@ -73,7 +73,7 @@ def test_question_from_stdin(tmp_path):
     "make,expected",
     [
         (lambda d: d / "missing.txt", "no such file"),
-        (lambda d: d, "is a directory"),
+        (lambda d: d, "no file to read in it"),
         (lambda d: _write(d / "empty.txt", b""), "the file is empty"),
         (lambda d: _write(d / "blank.txt", b" \n\n \t\n"), "the file is empty"),
         (lambda d: _write(d / "blob.bin", bytes(range(256)) * 4), "binary file"),
@@ -254,3 +254,64 @@ def test_version(capsys):
         main(["--version"])
     assert exit_info.value.code == 0
     assert capsys.readouterr().out.strip() == f"kvchat {importlib.metadata.version('kvchat')}"
+
+
+SAMPLE_REPO = Path(__file__).parents[1] / "fixtures" / "sample-repo"
+
+
+def test_ask_about_a_folder(tmp_path):
+    result = run_cli(
+        "ask",
+        "--prompt-file",
+        str(SAMPLE_REPO),
+        "--set",
+        "generation.max_new_tokens=16",
+        "--verbose",
+        "Who is the head keeper?",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "sample-repo/: 4 files read; skipped 1 (.gitignore 1)" in result.stderr
+    assert "skipped debug.log (.gitignore)" in result.stderr
+
+
+def test_the_document_from_standard_input():
+    result = run_cli(
+        "ask",
+        "--prompt-file",
+        "-",
+        "--set",
+        "generation.max_new_tokens=8",
+        "--verbose",
+        "Where is the meeting?",
+        stdin="The meeting is on Tuesday at the blue house.\n",
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()
+    assert "stdin: 45 bytes" in result.stderr
+
+
+@pytest.mark.parametrize(
+    "argv,message",
+    [
+        (
+            ["ask", "--prompt-file", "-"],
+            "the document is standard input (-): give the question as an argument",
+        ),
+        (
+            ["ask", "--prompt-file", "-", "--prompt-file", "-", "q?"],
+            "-: standard input can be read only once",
+        ),
+        (
+            ["ask", "--prompt-file", "report.pdf", "q?"],
+            "report.pdf: PDF needs the documents extra: pip install 'kvchat[documents]'",
+        ),
+    ],
+)
+def test_document_refusals_before_the_model_loads(tmp_path, monkeypatch, capsys, argv, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "report.pdf").write_bytes(b"%PDF-1.4\n")
+    monkeypatch.setitem(sys.modules, "pypdf", None)  # the documents extra is not installed
+    monkeypatch.setattr("kvchat.core.engine.Engine.load", lambda *a: pytest.fail("model loaded"))
+    assert main(argv) == EXIT_USAGE
+    assert capsys.readouterr().err == f"kvchat: error: {message}\n"

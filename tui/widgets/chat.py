@@ -9,11 +9,13 @@ from textual.containers import VerticalScroll
 from textual.widgets import Markdown
 from textual.widgets.markdown import MarkdownStream
 
+from kvchat.core.folders import skip_summary
 from kvchat.core.terminal_text import terminal_safe
 from kvchat.tui.messages import DocumentInfo
 
 STOPPED_MARK = "\n\n*[stopped]*"
 NO_ANSWER_MARK = "\n\n*[no answer]*"
+SKIPPED_SHOWN = 10  # names of skipped files a document card lists; the count says the rest
 WAITING_MARK = "\n\n*[waiting: asked when the running step ends; Esc stops that step]*"
 # The punctuation that can start inline Markdown (emphasis, code, links, images, HTML,
 # entities, tables); a backslash before any ASCII punctuation shows it as itself.
@@ -135,13 +137,26 @@ class ChatPane(VerticalScroll):
 
 
 def document_card(info: DocumentInfo) -> str:
-    """The card that stands for a document in the chat: never the whole text."""
+    """The card that stands for a document in the chat: never the whole text. A folder's (or
+    several paths') says how many files it read and names what it left out."""
     head = info.head.replace("```", "ʼʼʼ")  # keep the preview inside its code fence
-    return (
-        f"**{markdown_escape(info.name)}** — {human_bytes(info.size_bytes)}, "
-        f"{info.tokens:,} tokens\n\n"
-        f"```text\n{head}\n```"
-    )
+    if not info.files:
+        facts = f"{human_bytes(info.size_bytes)}, {info.tokens:,} tokens"
+    else:
+        files = f"{info.files:,} file" + ("" if info.files == 1 else "s")
+        parts = [files, f"{info.tokens:,} tokens", human_bytes(info.size_bytes)]
+        if info.skipped:
+            parts.append(skip_summary(info.skipped))
+        facts = " · ".join(parts)
+    card = f"**{markdown_escape(info.name)}** — {facts}\n\n"
+    if info.skipped:
+        shown = ", ".join(
+            f"{markdown_escape(s.path)} ({s.reason})" for s in info.skipped[:SKIPPED_SHOWN]
+        )
+        more = len(info.skipped) - SKIPPED_SHOWN
+        card += f"Skipped: {shown}" + (f" and {more:,} more" if more > 0 else "")
+        card += "\n\n"
+    return card + f"```text\n{head}\n```"
 
 
 def markdown_escape(text: str) -> str:
