@@ -37,6 +37,7 @@ from .conversation import Conversation
 from .device import configure_threads, resolve_device, resolve_dtype
 from .documents import Document, DocumentTooLongError
 from .memory import available_memory, process_rss, release_freed_memory
+from .fit import Fit, fit_context, largest_context, round_up
 from .model import Transformer
 from .model_config import ModelConfig
 from .plan import MemoryPlan, PlanRefusedError, plan_memory
@@ -698,10 +699,14 @@ class Engine:
 
     def plan(self, n_tokens: int) -> MemoryPlan:
         """Memory a context of n_tokens needs with the current settings, against what is free."""
+        return self.plan_at(self.settings.long_context, n_tokens)
+
+    def plan_at(self, lc: LongContextSettings, n_tokens: int) -> MemoryPlan:
+        """Memory a context of n_tokens needs with the long-context settings `lc`."""
         held = self.session.cache_stats()
         return plan_memory(
             self.config,
-            self.settings.long_context,
+            lc,
             n_tokens,
             self.model.dtype.itemsize,
             self.model.nbytes,
@@ -710,20 +715,37 @@ class Engine:
             self.runtime_bytes,
         )
 
-    def read_document(self, *paths: str | Path, stdin: BinaryIO | None = None) -> Document:
+    def fit(self, n_prompt: int) -> Fit | None:
+        """The settings under which a prompt of n_prompt tokens and its reply fit (core/fit.py):
+        None when the current ones hold it; PlanRefusedError when nothing does."""
+        n_tokens = n_prompt + self.settings.generation.max_new_tokens
+        return fit_context(self.settings.long_context, n_tokens, self.plan_at)
+
+    def apply_fit(self, fit: Fit) -> None:
+        """Take `fit`'s long-context settings (for this engine; the config file is not
+        written): the next cache is made with them."""
+        self.apply_settings(replace(self.settings, long_context=fit.long_context))
+
+    def _reading_limit(self, fitting: bool) -> int:
+        lc = self.settings.long_context
+        return largest_context(lc, self.plan_at) if fitting else lc.max_seq_len
+
+    def read_document(
+        self, *paths: str | Path, stdin: BinaryIO | None = None, fitting: bool = False
+    ) -> Document:
         """The document `paths` make (core/sources.py; `stdin` is what "-" reads); a file
-        whose size alone shows more tokens than long_context.max_seq_len holds is refused
-        before it is read, a folder as soon as its text does."""
-        limit = self.settings.long_context.max_seq_len
+        whose size alone shows more tokens than long_context.max_seq_len holds (`fitting`:
+        than any fit could hold on this machine) is refused before it is read, a folder as
+        soon as its text does."""
+        limit = self._reading_limit(fitting)
         max_bytes = limit * self.tokenizer.bytes_per_token_bound
         try:
             return read_sources(paths, max_bytes=max_bytes, stdin=stdin)
         except DocumentTooLongError as e:
             fewest = self.tokenizer.fewest_tokens(e.size_bytes)
             raise PlanRefusedError(
-                f"{e.path}: {e.size_bytes:,} bytes hold at least {fewest:,} tokens, but "
-                f"long_context.max_seq_len is {limit:,}. Raise it (e.g. --set "
-                f"long_context.max_seq_len={_round_up(fewest)}) or load a shorter text."
+                f"{e.path}: {e.size_bytes:,} bytes hold at least {fewest:,} tokens, more than "
+                f"{limit:,} ({_limit_name(fitting)}). " + _what_to_do(fewest, fitting)
             ) from None
 
     def encode_document(
@@ -731,19 +753,19 @@ class Engine:
         doc: Document,
         on_progress: ProgressFn | None = None,
         cancel: threading.Event | None = None,
+        fitting: bool = False,
     ) -> list[int]:
         """The ids of `doc`; tokenizing stops, refusing the document, as soon as they pass
-        long_context.max_seq_len."""
-        limit = self.settings.long_context.max_seq_len
+        long_context.max_seq_len (`fitting`: what any fit could hold on this machine)."""
+        limit = self._reading_limit(fitting)
         try:
             return self.tokenizer.encode_long(doc.text, on_progress, cancel, stop_after=limit)
         except TooManyTokensError as e:
             estimate = e.tokens * e.total // e.done
             raise PlanRefusedError(
-                f"{doc.name} holds more than long_context.max_seq_len ({limit:,}) tokens: "
+                f"{doc.name} holds more than {limit:,} tokens ({_limit_name(fitting)}): "
                 f"{e.tokens:,} in its first {e.done / e.total:.0%}, about {estimate:,} in all. "
-                f"Raise it (e.g. --set long_context.max_seq_len={_round_up(estimate)}) or load "
-                "a shorter text."
+                + _what_to_do(estimate, fitting)
             ) from None
 
     def check_fits(self, n_prompt: int, max_new_tokens: int) -> None:
@@ -755,7 +777,7 @@ class Engine:
                 f"but long_context.max_seq_len is {lc.max_seq_len}: at most "
                 f"{lc.max_seq_len - max_new_tokens} prompt tokens fit. Raise "
                 f"long_context.max_seq_len or lower generation.max_new_tokens "
-                f"(e.g. --set long_context.max_seq_len={_round_up(n_prompt + max_new_tokens)})."
+                f"(e.g. --set long_context.max_seq_len={round_up(n_prompt + max_new_tokens)})."
             )
         plan = self.plan(n_prompt + max_new_tokens)
         if not plan.fits:
@@ -805,5 +827,16 @@ class Engine:
         )
 
 
-def _round_up(n: int, step: int = 4096) -> int:
-    return -(-n // step) * step
+def _limit_name(fitting: bool) -> str:
+    """What bounds a document read `fitting` (or not)."""
+    if fitting:
+        return "what this machine's memory holds now, even with INT4 blocks"
+    return "long_context.max_seq_len"
+
+
+def _what_to_do(tokens: int, fitting: bool) -> str:
+    if fitting:
+        return "Load a shorter text or free memory."
+    return (
+        f"Raise it (e.g. --set long_context.max_seq_len={round_up(tokens)}) or load a shorter text."
+    )

@@ -65,15 +65,24 @@ class MemoryPlan:
         return max(self.cache_bytes - self.allocated_bytes, 0) + self.activation_bytes
 
     @property
+    def usable_bytes(self) -> float:
+        return self.available_bytes * USABLE_FRACTION
+
+    @property
     def fits(self) -> bool:
-        return self.needed_bytes <= self.available_bytes * USABLE_FRACTION
+        return self.needed_bytes <= self.usable_bytes
+
+    def refusal_summary(self) -> str:
+        return (
+            f"{self.n_tokens:,} tokens need {_gib(self.needed_bytes)} more memory (KV cache "
+            f"{_gib(self.kv_bytes)} as {self.kv_type}) but only {_gib(self.usable_bytes)} is "
+            "usable"
+        )
 
     def refusal(self) -> str:
         return (
-            f"{self.n_tokens} tokens need {_gib(self.needed_bytes)} more memory (KV cache "
-            f"{_gib(self.kv_bytes)} as {self.kv_type}) but only "
-            f"{_gib(self.available_bytes * USABLE_FRACTION)} is usable. Shorten the document, "
-            f"use a smaller long_context.kv_type (INT8, INT4), or lower long_context.max_seq_len."
+            f"{self.refusal_summary()}. Shorten the document, use a smaller "
+            "long_context.kv_type (INT8, INT4), or lower long_context.max_seq_len."
         )
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import inspect
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
@@ -53,6 +53,7 @@ from .messages import (
     ConversationResumed,
     DocumentInfo,
     DocumentLoaded,
+    FitOffered,
     KernelBuild,
     ModelLoaded,
     Notice,
@@ -60,10 +61,11 @@ from .messages import (
     ReplyPiece,
     StepFinished,
 )
+from .screens.confirm import ConfirmScreen, rebuild_question
 from .screens.load_file import LoadFileScreen
 from .screens.sessions import SessionsScreen
-from .screens.settings import RebuildScreen, SettingsScreen, prompt_clashes
 from .widgets.chat import ChatPane, Question, Reply, markdown_escape
+from .screens.settings import SettingsScreen, prompt_clashes
 from .widgets.heatmap import SelectionHeatmap
 from .widgets.panels import DeviceWindowPanel, DramPanel, Panel, ThroughputPanel
 from .widgets.prompt import PromptInput
@@ -129,6 +131,7 @@ class KvchatApp(App[None]):
         self.reply: Reply | None = None
         self.turn: Turn | None = None  # the question the running reply step answers
         self.queued: Question | None = None  # a question sent while a step ran, shown waiting
+        self.offering = False  # a fit for a document is offered and not answered yet
         self.stop_warnings: Callable[[], None] = lambda: None
         self.document: DocumentInfo | None = None
         self.history = History()  # $KVCHAT_HOME/conversations.sqlite3, opened on first use
@@ -289,6 +292,35 @@ class KvchatApp(App[None]):
             self.queued = await chat.add_user(waiting)
             await self.queued.set_waiting(True)
 
+    def on_fit_offered(self, message: FitOffered) -> None:
+        fit, pending, engine = message.fit, message.pending, self.engine
+        self.offering = True  # a waiting question waits for the answer too
+
+        async def answered(apply: bool | None) -> None:
+            self.offering = False
+            if apply and engine is self.engine:
+                # For this run: the config file keeps what the user saved.
+                self.settings = replace(self.settings, long_context=fit.long_context)
+                self.start_step(
+                    "document",
+                    f"loading {pending.doc.name}",
+                    lambda cancel: bridge.open_pending(engine, pending, self.post, cancel, fit),  # type: ignore[arg-type]
+                )
+            elif self.queued is not None and not self.busy:
+                await self.ask_queued()
+
+        self.push_screen(
+            ConfirmScreen(
+                f"{pending.doc.name}: {len(pending.ids):,} tokens. With the reply they do not "
+                f"fit the settings; they fit with {fit.describe()}.\n"
+                "Apply these settings for this run and load the document? (/settings saves "
+                "them.)",
+                "Apply and load",
+                "Cancel",
+            ),
+            answered,
+        )
+
     async def on_reply_piece(self, message: ReplyPiece) -> None:
         if self.reply is not None:
             self.state = "answering"
@@ -316,7 +348,7 @@ class KvchatApp(App[None]):
         elif message.kind == "rebuild":
             self.notify(message.detail, title="cache rebuilt")
         self.refresh_stats()
-        if self.queued is not None:
+        if self.queued is not None and not self.offering:
             await self.ask_queued()
 
     def _after_model(self) -> None:
@@ -689,7 +721,7 @@ class KvchatApp(App[None]):
         session = self.engine.session
         if result.cache and session.tokens:
             self.push_screen(
-                RebuildScreen(result.cache, len(session.tokens)),
+                rebuild_question(result.cache, len(session.tokens)),
                 lambda now: self.rebuild_cache() if now else None,
             )
         self.refresh_stats()

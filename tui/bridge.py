@@ -23,6 +23,7 @@ from kvchat.core.conversation import Conversation
 from kvchat.core.documents import Document, DocumentError
 from kvchat.core.engine import Engine
 from kvchat.core.errors import USER_ERRORS
+from kvchat.core.fit import Fit
 from kvchat.core.history import SavedConversation
 from kvchat.core.plan import PlanRefusedError
 from kvchat.core.snapshot import PrefillReport, format_size
@@ -33,9 +34,11 @@ from .messages import (
     ConversationResumed,
     DocumentInfo,
     DocumentLoaded,
+    FitOffered,
     KernelBuild,
     ModelLoaded,
     Notice,
+    PendingDocument,
     Progress,
     ReplyPiece,
     StepFinished,
@@ -122,11 +125,12 @@ def load_document(
 ) -> str:
     """Read and tokenize the document `paths` make (`stdin`: what "-" reads), check it fits,
     then (only then) replace the session and prefill the document so the first question only
-    prefills itself.
+    prefills itself. A document the settings cannot hold but a fit can is offered that fit
+    (FitOffered) instead.
 
     Any refusal before the swap leaves the current document and session untouched.
     """
-    doc = engine.read_document(*paths, stdin=stdin)
+    doc = engine.read_document(*paths, stdin=stdin, fitting=True)
     return _open_document(engine, doc, Conversation(), post, cancel, DocumentLoaded)
 
 
@@ -142,7 +146,7 @@ def resume(engine: Engine, saved: SavedConversation, post: Post, cancel: threadi
             problem = "it came from standard input, which cannot be read again"
         else:
             try:
-                doc = engine.read_document(*paths)
+                doc = engine.read_document(*paths, fitting=True)
             except (DocumentError, PlanRefusedError) as e:
                 problem = str(e)
             else:
@@ -167,14 +171,33 @@ def _open_document(
     announce: Callable[[DocumentInfo], Message],
 ) -> str:
     """Tokenize `doc`; if it fits, start a new session on it continuing `history`, post
-    `announce(info)` and prefill the document."""
+    `announce(info)` and prefill the document; if only a fit holds it, offer the fit."""
     report = progress_reporter(post, "tokenize")
     report(0, len(doc.text))  # the phase shows at once, not after the first batch
-    ids = engine.encode_document(doc, report, cancel)
-    candidate = Conversation(system=history.system, document_ids=ids, document_name=doc.name)
+    ids = engine.encode_document(doc, report, cancel, fitting=True)
+    pending = PendingDocument(doc, ids, history, announce)
+    fit = engine.fit(len(_candidate(pending).document_prefix_ids(engine.tokenizer)))
+    if fit is not None:
+        post(FitOffered(fit, pending))
+        return ""
+    return open_pending(engine, pending, post, cancel)
+
+
+def open_pending(
+    engine: Engine,
+    pending: PendingDocument,
+    post: Post,
+    cancel: threading.Event,
+    fit: Fit | None = None,
+) -> str:
+    """Start a new session on `pending`'s document (after taking `fit`, when given), post its
+    announcement and prefill the document."""
+    if fit is not None:
+        engine.apply_fit(fit)
+    doc, ids, history = pending.doc, pending.ids, pending.history
+    candidate = _candidate(pending)
     prefix = candidate.document_prefix_ids(engine.tokenizer)
-    max_new = engine.settings.generation.max_new_tokens
-    engine.check_fits(len(prefix), max_new)
+    engine.check_fits(len(prefix), engine.settings.generation.max_new_tokens)
     session = engine.new_session(replace(candidate, messages=list(history.messages)))
     info = DocumentInfo(
         doc.name,
@@ -186,13 +209,20 @@ def _open_document(
         len(doc.files),
         doc.skipped,
     )
-    post(announce(info))
+    post(pending.announce(info))
     report = progress_reporter(post, "prefill")
     report(0, len(prefix))
     prefill = session.prefill_document(prefix, report, cancel)
     for warning in prefill.warnings:
         post(Notice(warning, title="snapshot", severity="warning"))
     return _ready(doc.name, len(prefix), prefill)
+
+
+def _candidate(pending: PendingDocument) -> Conversation:
+    """The conversation over `pending`'s document before its turns: what its prefill holds."""
+    return Conversation(
+        system=pending.history.system, document_ids=pending.ids, document_name=pending.doc.name
+    )
 
 
 def _saved_paths(doc: Document) -> str:

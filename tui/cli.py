@@ -20,6 +20,7 @@ from kvchat.core.cancel import Cancelled
 from kvchat.core.documents import DocumentError
 from kvchat.core.errors import USER_ERRORS
 from kvchat.core.folders import skip_summary
+from kvchat.core.plan import PlanRefusedError
 from kvchat.core.snapshot import (
     PrefillReport,
     SnapshotError,
@@ -113,10 +114,22 @@ def cmd_ask(args: argparse.Namespace) -> int:
         raise DocumentError("no question given: pass it as an argument or on standard input")
     engine = Engine.load(settings, args.model)
     tokenizer = engine.tokenizer
-    doc = engine.read_document(*paths, stdin=None if sys.stdin is None else sys.stdin.buffer)
-    ids = engine.encode_document(doc, ProgressLine("tokenize") if args.verbose else None)
+    # Read up to what a fit could hold: a refusal then names the exact settings that fit.
+    stdin = None if sys.stdin is None else sys.stdin.buffer
+    doc = engine.read_document(*paths, stdin=stdin, fitting=True)
+    progress = ProgressLine("tokenize") if args.verbose else None
+    ids = engine.encode_document(doc, progress, fitting=True)
     conversation = Conversation(document_ids=ids, document_name=doc.name)
     prompt = conversation.prompt_ids(tokenizer, question)
+    if (fit := engine.fit(len(prompt))) is not None:
+        if not args.fit:
+            raise PlanRefusedError(
+                f"{doc.name}: the prompt and its reply ({fit.n_tokens:,} tokens) do not fit "
+                f"the settings; run again with --fit or add: {fit.flags()}"
+            )
+        engine.apply_fit(fit)
+        print(f"kvchat: fitted the settings: {fit.describe()}", file=sys.stderr)
+    settings = engine.settings
     engine.check_fits(len(prompt), settings.generation.max_new_tokens)
     session = engine.new_session(conversation)
     if args.verbose:
@@ -272,8 +285,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from kvchat.core.engine import Engine
     from kvchat.core.plan import plan_table
 
+    if args.paths:
+        check_sources(args.paths)  # refused before the model loads
     engine = Engine.load(_load(args).settings, args.model)
     print(engine.compute_summary())
+    if args.paths:
+        return _plan_document(engine, args.paths)
     sys.stdout.write(
         plan_table(
             engine.config,
@@ -286,6 +303,62 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _plan_document(engine, paths: Sequence[str]) -> int:
+    """`kvchat plan PATH`: the document's tokens, its memory by kv_type, whether the settings
+    hold it (else the fit), and its prefill time at this machine's measured rate."""
+    from dataclasses import replace
+    from kvchat.config import KvType
+    from kvchat.core.conversation import Conversation
+    from kvchat.core.prefill_rate import prefill_rate
+    stdin = None if sys.stdin is None else sys.stdin.buffer
+    doc = engine.read_document(*paths, stdin=stdin, fitting=True)
+    ids = engine.encode_document(doc, ProgressLine("tokenize"), fitting=True)
+    prefix = Conversation(document_ids=ids, document_name=doc.name).document_prefix_ids(
+        engine.tokenizer
+    )
+    lc, max_new = engine.settings.long_context, engine.settings.generation.max_new_tokens
+    n = len(prefix) + max_new
+    print(
+        f"{terminal_safe(doc.name)}: {doc.size_bytes:,} bytes, {len(ids):,} tokens; with the "
+        f"chat template and a reply of up to {max_new:,} tokens, a context of {n:,}"
+    )
+    print(f"\n{'kv_type':<8} {'KV (DRAM)':>11} {'anchors':>10} {'total':>10}  fits")
+    for kv_type in KvType:
+        p = engine.plan_at(replace(lc, kv_type=kv_type, max_seq_len=max(lc.max_seq_len, n)), n)
+        print(
+            f"{kv_type:<8} {_gib(p.kv_bytes):>11} {_gib(p.anchor_bytes):>10} "
+            f"{_gib(p.total_bytes):>10}  {'yes' if p.fits else 'NO'}"
+        )
+    try:
+        fit = engine.fit(len(prefix))
+    except PlanRefusedError as e:
+        print(f"\nno settings hold it on this machine now: {e}")
+        return 0
+    held = f"kv_type {lc.kv_type}, max_seq_len {lc.max_seq_len:,}"
+    if fit is None:
+        print(f"\nthe settings ({held}) hold it")
+    else:
+        print(
+            f"\nthe settings ({held}) do not hold it; these do: {fit.flags()}\n"
+            f"  ({fit.describe()}; `kvchat ask --fit` applies them, the app offers them)"
+        )
+        engine.apply_fit(fit)
+    rate = prefill_rate(engine, prefix)
+    how = "recorded" if rate.cached else "measured now"
+    print(
+        f"prefill: at least {_duration(rate.seconds(len(prefix)))} at {rate.tokens_per_s:,.0f} "
+        f"tok/s, the rate of a context's first {2 * rate.tokens:,} tokens on this machine "
+        f"({how}, {rate.measured}); longer contexts prefill slower"
+    )
+    return 0
+def _gib(n: float) -> str:
+    return f"{n / 1024**3:.2f} GiB"
+def _duration(seconds: float) -> str:
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    if hours:
+        return f"{hours} h {minutes} min"
+    return f"{minutes} min {secs} s" if minutes else f"{secs} s"
 def _parse_contexts(text: str) -> list[int]:
     sizes = []
     for part in text.split(","):
@@ -512,6 +585,13 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument(
         "--verbose", "-v", action="store_true", help="report sizes and speed on stderr"
     )
+    ask.add_argument(
+        "--fit",
+        action="store_true",
+        help="when the document does not fit the settings, raise long_context.max_seq_len and "
+        "store the blocks as INT8 or INT4 as the memory needs (without it: print those --set "
+        "options and exit 2)",
+    )
     ask.add_argument("question", nargs="?", help="the question (default: read from stdin)")
     ask.set_defaults(func=cmd_ask)
 
@@ -530,7 +610,16 @@ def build_parser() -> argparse.ArgumentParser:
     config.set_defaults(func=cmd_config)
 
     plan = sub.add_parser(
-        "plan", parents=[common], help="memory needed for 4K..1M tokens, and whether it fits"
+        "plan",
+        parents=[common],
+        help="memory needed for 4K..1M tokens, and whether it fits; given a document, its "
+        "tokens, the memory by kv_type and the prefill time",
+    )
+    plan.add_argument(
+        "paths",
+        nargs="*",
+        metavar="PATH",
+        help="a document (files, folders, - for standard input) to plan for",
     )
     plan.set_defaults(func=cmd_plan)
 

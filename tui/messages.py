@@ -6,12 +6,15 @@ thread-safe) and the app updates the screen on its own thread.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from textual.message import Message
 
-from kvchat.core.documents import Skipped
+from kvchat.core.conversation import Conversation
+from kvchat.core.documents import Document, Skipped
 from kvchat.core.engine import Engine
+from kvchat.core.fit import Fit
 from kvchat.core.history import SavedConversation
 from kvchat.native import BuildProgress
 
@@ -99,3 +102,22 @@ class StepFinished(Message):
     ) -> None:
         super().__init__()
         self.kind, self.stopped, self.detail, self.error = kind, stopped, detail, error
+
+
+@dataclass(frozen=True)
+class PendingDocument:
+    """A document read and tokenized, waiting for its session: what `open_pending` needs."""
+
+    doc: Document
+    ids: list[int]
+    history: Conversation
+    announce: Callable[[DocumentInfo], Message]
+
+
+class FitOffered(Message):
+    """A document the settings cannot hold but `fit` can: the app offers the fit, and on a
+    yes opens `pending` under it (bridge.open_pending)."""
+
+    def __init__(self, fit: Fit, pending: PendingDocument) -> None:
+        super().__init__()
+        self.fit, self.pending = fit, pending

@@ -70,7 +70,10 @@ def test_a_file_too_large_to_fit_is_refused_before_it_is_read(tmp_path, engine_8
         engine_8k.read_document(huge)
     assert peak_rss() - before < 64 << 20
     message = str(e.value)
-    assert "4,294,967,296 bytes hold at least" in message and "max_seq_len is 8,192" in message
+    assert (
+        "4,294,967,296 bytes hold at least" in message
+        and "more than 8,192 (long_context.max_seq_len)" in message
+    )
 
 
 def test_tokenizing_stops_once_the_text_cannot_fit(engine_8k, tmp_path):
@@ -84,7 +87,7 @@ def test_tokenizing_stops_once_the_text_cannot_fit(engine_8k, tmp_path):
         engine_8k.encode_document(doc, lambda done, total: progress.append((done, total)))
     done, total = progress[-1]
     assert done < total / 4  # stopped early, not after tokenizing the whole text
-    assert "holds more than long_context.max_seq_len (8,192) tokens" in str(e.value)
+    assert "holds more than 8,192 tokens (long_context.max_seq_len)" in str(e.value)
 
 
 def piped(data: bytes) -> BinaryIO:
@@ -141,4 +144,6 @@ def test_a_folder_too_large_to_fit_is_refused_naming_it(tmp_path: Path, engine_8
         (tmp_path / f"{i}.txt").write_text("x" * size)
     with pytest.raises(PlanRefusedError) as e:
         engine_8k.read_document(tmp_path)
-    assert str(e.value).startswith(f"{tmp_path}: ") and "max_seq_len is 8,192" in str(e.value)
+    assert str(e.value).startswith(
+        f"{tmp_path}: "
+    ) and "more than 8,192 (long_context.max_seq_len)" in str(e.value)

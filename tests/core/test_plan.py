@@ -99,7 +99,7 @@ def test_fits_and_refusal_message():
     p = plan_memory(SMOL, SPARSE, 1 << 20, 2, 100_000_000, 8 * GIB)
     assert not p.fits
     msg = p.refusal()
-    assert "1048576 tokens" in msg and "GiB" in msg and "INT4" in msg and "max_seq_len" in msg
+    assert "1,048,576 tokens" in msg and "GiB" in msg and "INT4" in msg and "max_seq_len" in msg
     assert plan_memory(SMOL, replace(SPARSE, kv_type="INT4"), 1 << 20, 2, 0, 16 * GIB).fits
 
 
@@ -118,7 +118,7 @@ def test_engine_refuses_a_plan_above_memory(engine_fp32, settings_fp32):
     engine = engine_fp32.with_settings(huge)
     with pytest.raises(PlanRefusedError) as e:
         engine.check_fits(4_000_000, 0)  # 4M fp32 tokens: ~170 GiB of KV
-    assert "4000000 tokens need" in str(e.value) and "usable" in str(e.value)
+    assert "4,000,000 tokens need" in str(e.value) and "usable" in str(e.value)
 
 
 def _fake_cgroups(tmp_path, monkeypatch, proc_line: str, files: dict[str, str]) -> None:

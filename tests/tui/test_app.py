@@ -234,10 +234,8 @@ async def test_esc_stops_the_prefill_then_the_waiting_question(
     [
         (bytes(range(256)) * 4, "binary file"),
         (b"", "the file is empty"),
-        # 10K tokens, more than max_seq_len (8K): refused after tokenizing, before any prefill.
-        (b"The grass is green. The sky is blue. " * 1000, "long_context.max_seq_len is 8192"),
     ],
-    ids=["binary", "empty", "over-the-plan"],
+    ids=["binary", "empty"],
 )
 async def test_bad_files_are_refused_and_change_nothing(
     settings: Settings, engine: Engine, tmp_path: Path, content: bytes, reason: str

@@ -15,6 +15,7 @@ from kvchat.core.engine import Engine
 from kvchat.core.history import History, SavedDocument, SavedMessage
 from kvchat.core.sources import read_sources
 from kvchat.tui.app import KvchatApp
+from kvchat.tui.screens.confirm import ConfirmScreen
 from kvchat.tui.screens.load_file import LoadFileScreen
 from kvchat.tui.widgets.chat import human_bytes
 
@@ -125,3 +126,38 @@ async def test_a_conversation_over_a_folder_resumes_with_the_folder(
         assert card.source.startswith("**sample-repo/** — 4 files")
         assert engine.session.conversation.document_name == "sample-repo/"
         assert engine.session.conversation.messages[-1]["content"] == "Ada Fenwick."
+
+
+async def test_a_document_past_the_settings_is_offered_the_fit_and_loads_with_it(
+    settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    note, long = tmp_path / "note.txt", tmp_path / "long.txt"
+    note.write_text(NOTE)
+    # ~10K tokens: past max_seq_len (8K), well within memory.
+    long.write_bytes(b"The grass is green. The sky is blue. " * 1000)
+    config = tmp_path / "config.yaml"
+    app = KvchatApp(settings, engine=engine, config_path=config, paths=[str(note)])
+    try:
+        async with app.run_test(size=(140, 45)) as pilot:
+            await wait_idle(pilot, app)
+            session, tokens = engine.session, list(engine.session.tokens)
+            for answer in ("escape", "enter"):
+                app.query_one("#prompt").focus()
+                await pilot.press(*f"/load {long}", "enter")
+                await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+                question = app.screen.question  # type: ignore[attr-defined]
+                await pilot.press(answer)
+                await wait_idle(pilot, app)
+                if answer == "escape":  # declined: nothing changes
+                    assert engine.session is session and session.tokens == tokens
+                    assert len(messages(app, "document")) == 1
+                    assert engine.settings.long_context.max_seq_len == 8192
+            fitted = engine.settings.long_context.max_seq_len
+            assert fitted > 8192 and fitted % 4096 == 0
+            assert f"max_seq_len {fitted:,}" in question and "long.txt: " in question
+            [card] = messages(app, "document")
+            assert len(engine.session.tokens) > 8192
+            assert app.settings.long_context.max_seq_len == fitted
+            assert not config.exists()  # for this run: the settings file is not written
+    finally:
+        engine.apply_settings(settings)

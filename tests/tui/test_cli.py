@@ -103,28 +103,33 @@ def test_missing_question_is_refused(tmp_path):
     assert "no question given" in result.stderr
 
 
-def test_file_longer_than_the_plan_is_refused_before_prefill(tmp_path, capsys):
+def test_a_document_past_the_settings_gets_the_flags_that_fit_and_loads_with_fit(tmp_path, capsys):
     path = _write(tmp_path / "long.txt", ("The grass is green. The sky is blue. " * 400).encode())
-    code = main(
-        [
-            "ask",
-            "--prompt-file",
-            str(path),
-            "--set",
-            "long_context.max_seq_len=1024",
-            "--set",
-            "long_context.chunk_size=512",
-            "--set",
-            "generation.max_new_tokens=256",
-            "What colour is the sky?",
-        ]
-    )
+    argv = [
+        "ask",
+        "--prompt-file",
+        str(path),
+        "--set",
+        "long_context.max_seq_len=1024",
+        "--set",
+        "long_context.chunk_size=512",
+        "--set",
+        "generation.max_new_tokens=256",
+        "What colour is the sky?",
+    ]
+    code = main(argv)
     captured = capsys.readouterr()
     assert code == EXIT_USAGE
-    assert "long_context.max_seq_len is 1024" in captured.err
-    assert "at most 768 prompt tokens" in captured.err
+    [line] = captured.err.strip().splitlines()
+    assert "do not fit the settings" in line
+    assert line.endswith("run again with --fit or add: --set long_context.max_seq_len=8192")
     assert "prefill:" not in captured.err  # refused before any prefill progress
     assert captured.out == ""
+
+    assert main([*argv[:-1], "--fit", argv[-1]]) == 0
+    captured = capsys.readouterr()
+    assert "kvchat: fitted the settings: max_seq_len 8,192" in captured.err
+    assert "blue" in captured.out.lower()
 
 
 def test_bad_override_names_the_key(tmp_path, capsys):

@@ -16,8 +16,9 @@ from kvchat.config import Settings, load_settings, replace_key
 from kvchat.config.yamltext import parse
 from kvchat.core.engine import Engine
 from kvchat.tui.app import KvchatApp
+from kvchat.tui.screens.confirm import ConfirmScreen
 from kvchat.tui.screens.load_file import LoadFileScreen
-from kvchat.tui.screens.settings import RebuildScreen, SettingsScreen
+from kvchat.tui.screens.settings import SettingsScreen
 from kvchat.tui.widgets.chat import ChatMessage, ChatPane
 
 from .conftest import NOTE, OVERRIDES, notifications, wait_for, wait_idle
@@ -131,7 +132,7 @@ async def test_a_cache_shaping_change_offers_a_rebuild_that_works(
         screen = await open_settings(pilot, app)
         await set_value(pilot, screen, "long_context.kv_type", "INT8")
         await pilot.press("ctrl+s")
-        await wait_for(pilot, lambda: isinstance(app.screen, RebuildScreen))
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
         assert any("Needs a new cache: long_context.kv_type" in n for n in notifications(app))
         assert engine.session.stale and engine.session.tokens == tokens
         await pilot.press("enter")  # "Rebuild now" has the focus

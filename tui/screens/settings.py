@@ -1,4 +1,4 @@
-"""The settings screen, generated from the settings schema, and the cache-rebuild question.
+"""The settings screen, generated from the settings schema.
 
 Every key of every section gets a widget chosen from its FieldSpec (Switch for booleans,
 Select for choices, Input for numbers and free text) and its help text. The Inputs check
@@ -194,34 +194,3 @@ class SettingsScreen(ModalScreen[Settings | None]):
 
     def action_close(self) -> None:
         self.dismiss(None)
-
-
-class RebuildScreen(ModalScreen[bool]):
-    """Asks whether to prefill the cached context again now; dismisses with the answer."""
-
-    BINDINGS = [Binding("escape", "later", "Later")]
-
-    def __init__(self, keys: tuple[str, ...], n_tokens: int) -> None:
-        super().__init__()
-        self.keys, self.n_tokens = keys, n_tokens
-
-    def compose(self) -> ComposeResult:
-        with Vertical(id="rebuild-dialog"):
-            yield Label(
-                f"{', '.join(self.keys)} changed: the KV cache must be built again, by "
-                f"prefilling the {self.n_tokens:,} cached tokens again.\n"
-                "Rebuild it now? Otherwise your next question does."
-            )
-            with Horizontal(id="rebuild-buttons"):
-                yield Button("Rebuild now", variant="primary", id="rebuild-now")
-                yield Button("Later", id="rebuild-later")
-
-    def on_mount(self) -> None:
-        self.query_one("#rebuild-now", Button).focus()
-
-    def on_button_pressed(self, event: Button.Pressed) -> None:
-        event.stop()
-        self.dismiss(event.button.id == "rebuild-now")
-
-    def action_later(self) -> None:
-        self.dismiss(False)
