@@ -36,8 +36,14 @@ from .cancel import Cancelled
 from .conversation import Conversation
 from .device import configure_threads, resolve_device, resolve_dtype
 from .documents import Document, DocumentTooLongError
-from .memory import available_memory, process_rss, release_freed_memory
 from .fit import Fit, fit_context, largest_context, round_up
+from .memory import (
+    GpuMemory,
+    available_memory,
+    gpu_memory,
+    process_rss,
+    release_freed_memory,
+)
 from .model import Transformer
 from .model_config import ModelConfig
 from .plan import MemoryPlan, PlanRefusedError, plan_memory
@@ -104,6 +110,8 @@ class EngineStats:
     decode_seconds: float
     time_to_first_token: float | None
     rss_bytes: int
+    available_bytes: int  # host memory this process can still take (core/memory.py)
+    gpu: GpuMemory | None  # the CUDA device's memory, all processes; None elsewhere
 
     @property
     def prefill_tok_s(self) -> float:
@@ -824,6 +832,8 @@ class Engine:
             decode_seconds=decode[1],
             time_to_first_token=throughput.time_to_first_token,
             rss_bytes=process_rss(),
+            available_bytes=available_memory(),
+            gpu=gpu_memory(self.model.device),
         )
 
 

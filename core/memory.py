@@ -5,10 +5,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import resource
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
+
+if TYPE_CHECKING:
+    import torch
 
 
 @cache
@@ -130,3 +135,32 @@ def _vm_hwm() -> int | None:
         if line.startswith("VmHWM:"):
             return int(line.split()[1]) * 1024
     return None
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    used_bytes: int
+    total_bytes: int
+
+
+@cache
+def _nvml():  # noqa: ANN202 - the pynvml module, initialised once, or None
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001 - no package, no driver, no GPU: no reading
+        return None
+    return pynvml
+
+
+def gpu_memory(device: torch.device) -> GpuMemory | None:
+    """Memory used on the CUDA `device` by every process, as the driver counts it (NVML,
+    from nvidia-ml-py); None on other devices or where NVML cannot be read."""
+    if device.type != "cuda" or (nvml := _nvml()) is None:
+        return None
+    try:
+        info = nvml.nvmlDeviceGetMemoryInfo(nvml.nvmlDeviceGetHandleByIndex(device.index or 0))
+    except nvml.NVMLError:
+        return None
+    return GpuMemory(int(info.used), int(info.total))

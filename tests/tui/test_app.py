@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from textual.pilot import Pilot
-from textual.widgets import Input, Label
+from textual.widgets import Input, Label, Static
 
 from kvchat.config import Settings
 from kvchat.core.engine import Engine
@@ -21,6 +21,7 @@ from kvchat.tui.log_notices import NoticeHandler
 from kvchat.tui.messages import ReplyPiece, StepFinished
 from kvchat.tui.screens.load_file import LoadFileScreen
 from kvchat.tui.widgets.chat import STOPPED_MARK, ChatPane
+from kvchat.tui.widgets.panels import DeviceWindowPanel, DramPanel, Panel
 from kvchat.tui.widgets.prompt import PromptInput
 from kvchat.tui.widgets.status import StatusLine
 
@@ -154,6 +155,29 @@ async def test_load_a_document_and_ask(settings: Settings, engine: Engine, tmp_p
         assert conversation.messages[-1] == {"role": "assistant", "content": reply.source}
         assert len(engine.session.tokens) > prefilled  # the document prefix was reused
         assert app.query_one("#prompt").text == ""
+
+
+async def test_the_panels_say_what_is_real_on_a_cpu(
+    settings: Settings, engine: Engine, tmp_path: Path
+) -> None:
+    doc = tmp_path / "note.txt"
+    doc.write_text(NOTE * 3)
+    app = KvchatApp(settings, engine=engine, paths=[str(doc)])
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_idle(pilot, app)
+        app.refresh_stats()
+        stats = engine.stats()
+        device = panel_text(app, DeviceWindowPanel)
+        resident = f"{stats.cache.resident_tokens:,} tok"
+        assert device.startswith(f"no GPU: the window is in DRAM\n{resident}"), device
+        assert "a GPU would hold" in device and "GPU " not in device.replace("a GPU", "")
+        dram = panel_text(app, DramPanel)
+        assert "\nprocess " in dram and ", free " in dram
+        assert stats.rss_bytes > 0 and 0 < stats.available_bytes and stats.gpu is None
+
+
+def panel_text(app: KvchatApp, panel: type[Panel]) -> str:
+    return str(app.query_one(panel).query_one(".panel-body", Static).render())
 
 
 @pytest.mark.slow

@@ -103,6 +103,9 @@ def fixed_stats(engine: Engine, decode_tokens: int, decode_seconds: float) -> En
         decode_tokens=decode_tokens,
         decode_seconds=decode_seconds,
         time_to_first_token=1.84,
+        rss_bytes=1_298_137_088,
+        available_bytes=19_645_317_120,
+        gpu=None,
     )
 
 

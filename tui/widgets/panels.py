@@ -62,30 +62,47 @@ class ThroughputPanel(Panel):
 
 
 class DramPanel(Panel):
+    """The block store in host memory, and the process's memory against what is free."""
+
     def __init__(self, **kwargs: str) -> None:
         super().__init__("DRAM blocks", **kwargs)
 
     def body(self, stats: EngineStats) -> str:
         c = stats.cache
+        memory = (
+            f"process {human_bytes(stats.rss_bytes)}, free {human_bytes(stats.available_bytes)}"
+        )
         if not c.block_size:
-            return f"{c.backend}: no blocks\nKV {human_bytes(c.kv_bytes)} ({c.kv_dtype})"
+            return f"{c.backend}: no blocks\nKV {human_bytes(c.kv_bytes)} ({c.kv_dtype})\n{memory}"
         return (
             f"{c.blocks_in_dram:,} blocks × {c.block_size} tok\n"
             f"KV {human_bytes(c.kv_bytes)} ({c.kv_dtype})\n"
-            f"anchors {human_bytes(c.anchor_bytes)}"
+            f"anchors {human_bytes(c.anchor_bytes)}\n"
+            f"{memory}"
         )
 
 
 class DeviceWindowPanel(Panel):
+    """What the compute device holds. Without a GPU the window stays in host memory, and the
+    device block cache only counts what a GPU's slots would hold and move: labelled so."""
+
     def __init__(self, **kwargs: str) -> None:
         super().__init__("device window", **kwargs)
 
     def body(self, stats: EngineStats) -> str:
         c = stats.cache
-        if not c.block_size:
-            return f"{c.backend}: all {c.tokens:,} tokens on {stats.device}"
-        return (
-            f"resident {c.resident_tokens:,} tok ({human_bytes(c.resident_bytes)})\n"
-            f"slots {c.device_slots_used}/{c.device_slots_total}  hit {c.hit_rate:.0%}\n"
-            f"moved {human_bytes(c.bytes_moved)}"
+        gpu = stats.gpu
+        used = (
+            []
+            if gpu is None
+            else [f"GPU {human_bytes(gpu.used_bytes)} of {human_bytes(gpu.total_bytes)} used"]
         )
+        if not c.block_size:
+            return "\n".join([f"{c.backend}: all {c.tokens:,} tokens on {stats.device}", *used])
+        resident = f"{c.resident_tokens:,} tok ({human_bytes(c.resident_bytes)})"
+        slots = f"{c.device_slots_used}/{c.device_slots_total} slots"
+        if stats.device == "cpu":
+            would = f"hit {c.hit_rate:.0%}, move {human_bytes(c.bytes_moved)}"
+            return f"no GPU: the window is in DRAM\n{resident}\na GPU would hold {slots},\n{would}"
+        traffic = f"hit {c.hit_rate:.0%}, moved {human_bytes(c.bytes_moved)}"
+        return "\n".join([f"resident {resident}", f"{slots}, {traffic}", *used])
