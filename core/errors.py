@@ -10,6 +10,7 @@ from kvchat.config import ConfigError
 from kvchat.native.cpu import CpuLevelError
 
 from .documents import DocumentError
+from .history import HistoryError
 from .model_config import UnsupportedModelError
 from .plan import PlanRefusedError
 from .snapshot import SnapshotError
@@ -25,4 +26,5 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     TokenizerError,
     SnapshotError,
     CpuLevelError,
+    HistoryError,
 )

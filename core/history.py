@@ -196,15 +196,50 @@ class History:
                 (system, time.time(), conversation_id),
             )
 
-    def summaries(self) -> list[ConversationSummary]:
-        """Every conversation, the most recently used first."""
+    def summaries(self, search: str = "") -> list[ConversationSummary]:
+        """Every conversation, the most recently used first; with `search`, those whose title
+        or any message holds it (ASCII letters in any case)."""
+        where, params = "", ()
+        if search:
+            where = (
+                " WHERE c.title LIKE ?1 ESCAPE '\\' OR EXISTS (SELECT 1 FROM messages s"
+                " WHERE s.conversation_id = c.id AND s.text LIKE ?1 ESCAPE '\\')"
+            )
+            params = ("%" + re.sub(r"([\\%_])", r"\\\1", search) + "%",)
         with self._db() as db:
             rows = db.execute(
                 "SELECT c.id, c.title, c.updated, c.model, c.doc_name, COUNT(m.id)"
                 " FROM conversations c LEFT JOIN messages m ON m.conversation_id = c.id"
-                " GROUP BY c.id ORDER BY c.updated DESC, c.id DESC"
+                f"{where} GROUP BY c.id ORDER BY c.updated DESC, c.id DESC",
+                params,
             ).fetchall()
         return [ConversationSummary(*row) for row in rows]
+
+    def rename(self, conversation_id: int, title: str) -> str:
+        """Give the conversation `title` (its first line, at most TITLE_CHARS); returns the
+        title kept."""
+        kept = title.strip().splitlines()[0][:TITLE_CHARS].strip() if title.strip() else ""
+        if not kept:
+            raise HistoryError("a conversation's title cannot be empty")
+        with self._db() as db:
+            found = db.execute(
+                "UPDATE conversations SET title = ? WHERE id = ?", (kept, conversation_id)
+            ).rowcount
+        if not found:
+            raise self._missing(conversation_id)
+        return kept
+
+    def delete(self, conversation_id: int) -> None:
+        """Delete the conversation and its messages."""
+        with self._db() as db:
+            found = db.execute(
+                "DELETE FROM conversations WHERE id = ?", (conversation_id,)
+            ).rowcount
+        if not found:
+            raise self._missing(conversation_id)
+
+    def _missing(self, conversation_id: int) -> HistoryError:
+        return HistoryError(f"conversation history {self.path}: no conversation {conversation_id}")
 
     def load(self, conversation_id: int) -> SavedConversation:
         with self._db() as db:
@@ -218,9 +253,7 @@ class History:
                 (conversation_id,),
             ).fetchall()
         if row is None:
-            raise HistoryError(
-                f"conversation history {self.path}: no conversation {conversation_id}"
-            )
+            raise self._missing(conversation_id)
         document = SavedDocument(*row[6:]) if row[6] is not None else None
         return SavedConversation(
             *row[:6],

@@ -549,9 +549,14 @@ class KvchatApp(App[None]):
     def action_sessions(self) -> None:
         if not self.idle():
             return
-        summaries = self.history_call(History.summaries, "sessions")
-        if summaries is not None:
-            self.push_screen(SessionsScreen(summaries), self.resume)
+        screen = SessionsScreen(self.history)
+
+        def closed(conversation_id: int | None) -> None:
+            if self.conversation_id in screen.deleted:
+                self.conversation_id = None  # the chat on screen is saved anew from its next turn
+            self.resume(conversation_id)
+
+        self.push_screen(screen, closed)
 
     def resume(self, conversation_id: int | None) -> None:
         """Continue a saved conversation: its document is reloaded in the worker."""

@@ -10,9 +10,11 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import BinaryIO, TextIO
+
+import argcomplete
 
 from kvchat.bench.needles import Task, ValueKind
 from kvchat.config import load_settings, settings_markdown, settings_to_yaml
@@ -181,6 +183,49 @@ def _print_prefill_report(report: PrefillReport) -> None:
         )
 
 
+SHELLS = ("bash", "zsh", "fish")
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    sys.stdout.write(argcomplete.shellcode(["kvchat"], shell=args.shell))
+    return 0
+
+
+def cmd_history(args: argparse.Namespace) -> int:
+    from kvchat.core.history import History, HistoryError, export_markdown
+
+    history = History()
+    if args.action == "list":
+        rows = history.summaries(args.search or "")
+        if args.json:
+            print(json.dumps([vars(row) for row in rows], indent=2))
+            return 0
+        when = "%Y-%m-%d %H:%M"
+        table = [("ID", "UPDATED", "MESSAGES", "DOCUMENT", "TITLE")] + [
+            (
+                str(r.id),
+                time.strftime(when, time.localtime(r.updated)),
+                str(r.message_count),
+                r.document_name or "-",
+                r.title or "untitled",
+            )
+            for r in rows
+        ]
+        # Titles and names come from what the user and documents wrote: shown, one line each.
+        print(_table([tuple(terminal_safe(c).replace("\n", " ") for c in row) for row in table]))
+        print(f"{len(rows)} conversation{'' if len(rows) == 1 else 's'} in {history.path}")
+        return 0
+    if args.id is None:
+        raise HistoryError(f"which conversation? `kvchat history {args.action} ID`; list shows ids")
+    if args.action == "export":
+        target = Path(args.path) if args.path else None
+        print(f"wrote {export_markdown(history.load(args.id), target)}")
+    else:
+        history.delete(args.id)
+        print(f"deleted conversation {args.id}")
+    return 0
+
+
 def cmd_cache(args: argparse.Namespace) -> int:
     cap = _load(args).settings.cache.snapshot_max_gib
     store = SnapshotStore(snapshot_dir(), int(cap * 2**30))
@@ -307,9 +352,11 @@ def _plan_document(engine, paths: Sequence[str]) -> int:
     """`kvchat plan PATH`: the document's tokens, its memory by kv_type, whether the settings
     hold it (else the fit), and its prefill time at this machine's measured rate."""
     from dataclasses import replace
+
     from kvchat.config import KvType
     from kvchat.core.conversation import Conversation
     from kvchat.core.prefill_rate import prefill_rate
+
     stdin = None if sys.stdin is None else sys.stdin.buffer
     doc = engine.read_document(*paths, stdin=stdin, fitting=True)
     ids = engine.encode_document(doc, ProgressLine("tokenize"), fitting=True)
@@ -351,14 +398,20 @@ def _plan_document(engine, paths: Sequence[str]) -> int:
         f"({how}, {rate.measured}); longer contexts prefill slower"
     )
     return 0
+
+
 def _gib(n: float) -> str:
     return f"{n / 1024**3:.2f} GiB"
+
+
 def _duration(seconds: float) -> str:
     minutes, secs = divmod(round(seconds), 60)
     hours, minutes = divmod(minutes, 60)
     if hours:
         return f"{hours} h {minutes} min"
     return f"{minutes} min {secs} s" if minutes else f"{secs} s"
+
+
 def _parse_contexts(text: str) -> list[int]:
     sizes = []
     for part in text.split(","):
@@ -513,6 +566,26 @@ def _piped_stdin() -> BinaryIO:
     return os.fdopen(piped, "rb")
 
 
+class _AnyFirstWord(Mapping[str, argparse.ArgumentParser]):
+    """The subcommands by name (what shell completion offers), yet holding any word for
+    argparse's check: a first word that names none starts the paths."""
+
+    def __init__(self, parsers: dict[str, argparse.ArgumentParser]) -> None:
+        self.parsers = parsers
+
+    def __getitem__(self, name: str) -> argparse.ArgumentParser:
+        return self.parsers[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.parsers)
+
+    def __len__(self) -> int:
+        return len(self.parsers)
+
+    def __contains__(self, word: object) -> bool:
+        return True
+
+
 class _CommandOrPaths(argparse._SubParsersAction):
     """The subcommand the first word names; any other first word starts the paths the app
     loads (argparse cannot give one parser both subcommands and a positional). A path named
@@ -522,7 +595,7 @@ class _CommandOrPaths(argparse._SubParsersAction):
 
     def __init__(self, *args: object, **kwargs: object) -> None:
         super().__init__(*args, **kwargs)  # type: ignore[arg-type]
-        self.choices = None  # any first word is valid: argparse checks none
+        self.choices = _AnyFirstWord(self._name_parser_map)
 
     def __call__(
         self,
@@ -718,6 +791,24 @@ def build_parser() -> argparse.ArgumentParser:
     cache.add_argument("id", nargs="?", help="for rm: a snapshot id, or a unique start of one")
     cache.set_defaults(func=cmd_cache)
 
+    completion = sub.add_parser(
+        "completion",
+        help="print the shell code that completes kvchat's commands, options and paths; e.g. "
+        'eval "$(kvchat completion bash)" in ~/.bashrc',
+    )
+    completion.add_argument("shell", choices=SHELLS)
+    completion.set_defaults(func=cmd_completion)
+
+    history = sub.add_parser("history", help="saved conversations: list, export one, delete one")
+    history.add_argument("action", choices=["list", "export", "rm"])
+    history.add_argument("id", nargs="?", type=int, help="export, rm: the conversation's id")
+    history.add_argument(
+        "path", nargs="?", help="export: the Markdown file or folder (default $KVCHAT_HOME/exports)"
+    )
+    history.add_argument("--search", metavar="TEXT", help="list: those whose title or text hold it")
+    history.add_argument("--json", action="store_true", help="list: print JSON")
+    history.set_defaults(func=cmd_history)
+
     models = sub.add_parser(
         "models",
         help="models on this machine (bundled, Hugging Face cache, Ollama) and their --model",
@@ -729,6 +820,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    # Under a shell's completion (argcomplete's environment) this prints the candidates and
+    # exits; otherwise it returns at once.
+    argcomplete.autocomplete(parser)
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace], int] = getattr(args, "func", cmd_app)
     try:

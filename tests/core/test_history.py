@@ -156,3 +156,47 @@ def test_the_document_hash_tells_a_changed_file(tmp_path: Path) -> None:
     assert read_document(path).sha256 == first and len(first) == 64
     path.write_text("The meeting is on Friday.")
     assert read_document(path).sha256 != first
+
+
+def _conversation(history: History, question: str, answer: str) -> int:
+    cid = history.create("SmolLM2-135M", None, None)
+    history.add_message(cid, SavedMessage("user", question))
+    history.add_message(cid, SavedMessage("assistant", answer))
+    return cid
+
+
+def test_search_finds_titles_and_message_text_in_any_case(history: History) -> None:
+    lease = _conversation(history, "When does the lease end?", "On 31 March, at 100% rent.")
+    deed = _conversation(history, "Who owns the house?", "Ada Fenwick owns it.")
+    assert [s.id for s in history.summaries("LEASE")] == [lease]
+    assert [s.id for s in history.summaries("fenwick")] == [deed]
+    assert [s.id for s in history.summaries("")] == [deed, lease]
+    assert history.summaries("nothing like this") == []
+    # LIKE's wildcards are searched as the characters they are.
+    assert [s.id for s in history.summaries("100%")] == [lease]
+    assert [s.id for s in history.summaries("%")] == [lease]
+    assert history.summaries("_") == []
+
+
+def test_rename_keeps_one_line_and_later_questions_keep_it(history: History) -> None:
+    cid = _conversation(history, "When does the lease end?", "In March.")
+    assert history.rename(cid, "  Lease dates\nsecond line") == "Lease dates"
+    history.add_message(cid, SavedMessage("user", "And the rent?"))
+    assert history.load(cid).title == "Lease dates"
+    with pytest.raises(HistoryError, match="cannot be empty"):
+        history.rename(cid, "  \n ")
+    with pytest.raises(HistoryError, match="no conversation 999"):
+        history.rename(999, "x")
+
+
+def test_delete_removes_the_conversation_and_its_messages(history: History) -> None:
+    keep = _conversation(history, "Who owns the house?", "Ada.")
+    gone = _conversation(history, "When does the lease end?", "In March.")
+    history.delete(gone)
+    assert [s.id for s in history.summaries()] == [keep]
+    with sqlite3.connect(history.path) as db:
+        assert db.execute(
+            "SELECT COUNT(*) FROM messages WHERE conversation_id = ?", (gone,)
+        ).fetchone() == (0,)
+    with pytest.raises(HistoryError, match=f"no conversation {gone}"):
+        history.delete(gone)

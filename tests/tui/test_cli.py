@@ -320,3 +320,27 @@ def test_document_refusals_before_the_model_loads(tmp_path, monkeypatch, capsys,
     monkeypatch.setattr("kvchat.core.engine.Engine.load", lambda *a: pytest.fail("model loaded"))
     assert main(argv) == EXIT_USAGE
     assert capsys.readouterr().err == f"kvchat: error: {message}\n"
+
+
+def test_shell_completion_completes_commands_options_and_choices(tmp_path, capsys):
+    out = tmp_path / "candidates"
+
+    def complete(line: str) -> list[str]:
+        env = {
+            **os.environ,
+            "_ARGCOMPLETE": "1",
+            "_ARGCOMPLETE_IFS": "\n",
+            "_ARGCOMPLETE_STDOUT_FILENAME": str(out),
+            "COMP_LINE": line,
+            "COMP_POINT": str(len(line)),
+        }
+        code = "from kvchat.tui.cli import main; main()"
+        subprocess.run([sys.executable, "-c", code], env=env, check=True, capture_output=True)
+        return out.read_text().split()
+
+    assert "history" in complete("kvchat hist")
+    assert "--fit" in complete("kvchat ask --f")
+    assert {"list", "export", "rm", "--search"} <= set(complete("kvchat history "))
+    for shell in ("bash", "zsh", "fish"):
+        assert main(["completion", shell]) == 0
+        assert "kvchat" in capsys.readouterr().out

@@ -10,14 +10,15 @@ from pathlib import Path
 
 import pytest
 from textual.pilot import Pilot
-from textual.widgets import OptionList
+from textual.widgets import Input, OptionList
 
 from kvchat.config import Settings
 from kvchat.core.conversation import Conversation
 from kvchat.core.engine import Engine
-from kvchat.core.history import History
+from kvchat.core.history import History, SavedMessage
 from kvchat.tui.app import KvchatApp
-from kvchat.tui.screens.sessions import SessionsScreen
+from kvchat.tui.screens.confirm import ConfirmScreen
+from kvchat.tui.screens.sessions import RenameScreen, SessionsScreen
 from kvchat.tui.widgets.chat import STOPPED_MARK
 
 from .conftest import NOTE, messages, notifications, wait_for, wait_idle
@@ -255,3 +256,48 @@ async def test_the_command_palette_lists_the_conversation_actions(
     async with app.run_test(size=(140, 45)):
         titles = {command.title for command in app.get_system_commands(app.screen)}
         assert {"Sessions", "Regenerate", "Copy reply", "Export"} <= titles
+
+
+async def test_the_sessions_list_searches_renames_and_deletes(
+    settings: Settings, engine: Engine
+) -> None:
+    history = History()
+    ids = {}
+    for question, answer in (("When does the lease end?", "In March."), ("Who owns it?", "Ada.")):
+        ids[question] = cid = history.create("SmolLM2-135M", None, None)
+        history.add_message(cid, SavedMessage("user", question))
+        history.add_message(cid, SavedMessage("assistant", answer))
+    lease = ids["When does the lease end?"]
+    app = KvchatApp(settings, engine=engine)
+    async with app.run_test(size=(140, 45)) as pilot:
+        app.conversation_id = lease  # as if the chat on screen were that conversation
+        await pilot.press("f4")
+        await wait_for(pilot, lambda: isinstance(app.screen, SessionsScreen))
+        screen = app.screen
+        options = screen.query_one(OptionList)
+        assert options.option_count == 2
+
+        await pilot.press("slash", *"LEASE", "enter")  # searched in any case; Enter: the list
+        await pilot.pause()
+        assert options.option_count == 1 and options.has_focus
+        assert "When does the lease end?" in str(options.get_option_at_index(0).prompt)
+
+        await pilot.press("f2")
+        await wait_for(pilot, lambda: isinstance(app.screen, RenameScreen))
+        app.screen.query_one(Input).value = ""
+        await pilot.press(*"Lease dates", "enter")
+        await wait_for(pilot, lambda: app.screen is screen)
+        assert history.load(lease).title == "Lease dates"
+        assert "Lease dates" in str(options.get_option_at_index(0).prompt)
+
+        await pilot.press("delete")
+        await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+        assert "Delete “Lease dates” and its 2 messages?" in app.screen.question  # type: ignore[attr-defined]
+        await pilot.press("enter")
+        await wait_for(pilot, lambda: app.screen is screen)
+        assert options.option_count == 0
+        assert [s.id for s in history.summaries()] == [ids["Who owns it?"]]
+
+        await pilot.press("escape")
+        await pilot.pause()
+        assert app.conversation_id is None  # deleted: the chat is saved anew from its next turn
