@@ -47,6 +47,7 @@ from kvchat.core.history import (
 )
 
 from . import bridge
+from .clipboard import copy_text
 from .commands import ACTIONS, Action, Command, UnknownCommand, help_text, parse_command
 from .log_notices import forward_engine_warnings
 from .messages import (
@@ -64,8 +65,8 @@ from .messages import (
 from .screens.confirm import ConfirmScreen, rebuild_question
 from .screens.load_file import LoadFileScreen
 from .screens.sessions import SessionsScreen
-from .widgets.chat import ChatPane, Question, Reply, markdown_escape
 from .screens.settings import SettingsScreen, prompt_clashes
+from .widgets.chat import ChatMessage, ChatPane, Question, Reply, markdown_escape
 from .widgets.heatmap import SelectionHeatmap
 from .widgets.panels import DeviceWindowPanel, DramPanel, Panel, ThroughputPanel
 from .widgets.prompt import PromptInput
@@ -618,8 +619,16 @@ class KvchatApp(App[None]):
         if not replies or not replies[-1]:
             self.notify("No reply to copy yet.", severity="warning")
             return
-        self.copy_to_clipboard(replies[-1])
-        self.notify(f"Copied the last reply ({len(replies[-1]):,} characters).")
+        self.copy_out(replies[-1], "the last reply")
+
+    def on_chat_message_copy_requested(self, message: ChatMessage.CopyRequested) -> None:
+        self.copy_out(message.text, message.what)
+
+    def copy_out(self, text: str, what: str) -> None:
+        """Copy `text` and say whether a clipboard took it (tui/clipboard.py)."""
+        result = copy_text(self, text, what)
+        severity = "information" if result.confirmed else "warning"
+        self.notify(result.notice, title="copy", severity=severity)
 
     async def action_regenerate(self) -> None:
         """Answer the last question again. For an answered one, the cache still holds

@@ -207,7 +207,11 @@ async def test_regenerate_reuses_the_cache_up_to_the_reply(
 
 
 @pytest.mark.slow
-async def test_copy_the_last_reply(settings: Settings, engine: Engine, note: Path) -> None:
+async def test_copy_the_last_reply_or_any_message(
+    settings: Settings, engine: Engine, note: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for name in ("DISPLAY", "WAYLAND_DISPLAY"):  # no clipboard tool: OSC 52 only
+        monkeypatch.delenv(name, raising=False)
     app = KvchatApp(settings, engine=engine)
     async with app.run_test(size=(140, 45)) as pilot:
         await send(pilot, app, "/copy")
@@ -215,7 +219,16 @@ async def test_copy_the_last_reply(settings: Settings, engine: Engine, note: Pat
         answer = await chat_about_the_note(pilot, app, note)
         await pilot.press("ctrl+t")
         assert app.clipboard == answer
-        assert any("Copied the last reply" in n for n in notifications(app))
+        sent = f"sent the last reply ({len(answer):,} characters) to the terminal's clipboard"
+        assert any(sent in n for n in notifications(app))
+        assert not any(n.startswith("Copied") for n in notifications(app))
+
+        [question] = messages(app, "user")
+        await pilot.click(question, times=2)  # a double click copies one message
+        await pilot.pause()
+        assert app.clipboard == QUESTION
+        sent = f"sent the question ({len(QUESTION)} characters)"
+        assert any(sent in n for n in notifications(app))
 
 
 @pytest.mark.slow

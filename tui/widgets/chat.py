@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import re
 
+from textual import events
 from textual.await_complete import AwaitComplete
 from textual.containers import VerticalScroll
+from textual.message import Message
 from textual.widgets import Markdown
 from textual.widgets.markdown import MarkdownStream
 
@@ -27,9 +29,23 @@ class ChatMessage(Markdown):
     text goes to the terminal through terminal_safe: Textual passes ESC and the C1 controls
     of a document or a reply through to the screen."""
 
+    what = ""  # what a copy of it is called ("the reply"); empty: it is not copied
+
+    class CopyRequested(Message):
+        """The user double-clicked a question or a reply: copy `text`."""
+
+        def __init__(self, text: str, what: str) -> None:
+            super().__init__()
+            self.text, self.what = text, what
+
     def __init__(self, text: str, role: str) -> None:
         super().__init__(terminal_safe(text), classes=role)
         self.role = role
+        self.text = text
+
+    def on_click(self, event: events.Click) -> None:
+        if event.chain == 2 and self.what and self.text:
+            self.post_message(self.CopyRequested(self.text, self.what))
 
     def update(self, markdown: str) -> AwaitComplete:
         return super().update(terminal_safe(markdown))
@@ -42,9 +58,10 @@ class Question(ChatMessage):
     """A question as typed. One that got no answer (stopped before its reply began, refused,
     failed) stays, marked, as the saved history keeps it."""
 
+    what = "the question"
+
     def __init__(self, text: str) -> None:
         super().__init__(text, "user")
-        self.text = text
 
     @property
     def answered(self) -> bool:
@@ -71,9 +88,10 @@ class Reply(ChatMessage):
     `update` makes the widget hold exactly the reply text (plus a stopped mark).
     """
 
+    what = "the reply"
+
     def __init__(self) -> None:
         super().__init__("", "assistant")
-        self.text = ""
         self._stream: MarkdownStream | None = None
 
     async def add_text(self, fragment: str) -> None:
