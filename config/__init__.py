@@ -1,5 +1,5 @@
 """kvchat settings: the typed schema, the packaged default YAML, and load / merge /
-validate / save of the user's file ($KVCHAT_HOME/config.yaml, default ~/.kvchat)."""
+validate / save of the user's file (config.yaml in the config folder, see home.py)."""
 
 from .docs import settings_markdown
 from .enums import (
@@ -33,8 +33,10 @@ from .store import (
     LoadedSettings,
     default_config_path,
     load_settings,
+    reset_values,
     save_changes,
     save_settings,
+    set_values,
 )
 from .validate import validate_settings
 from .yamltext import settings_to_yaml
@@ -65,9 +67,11 @@ __all__ = [
     "kvchat_home",
     "load_settings",
     "replace_key",
+    "reset_values",
     "save_changes",
     "save_settings",
     "schema_fields",
+    "set_values",
     "settings_markdown",
     "settings_to_yaml",
     "validate_settings",

@@ -22,9 +22,11 @@ _INTRO = f"""\
 <!-- Generated from the settings schema (config/schema.py): edit the schema, not this
 file, then run `{DOCS_COMMAND}`. -->
 
-kvchat reads its settings from `$KVCHAT_HOME/config.yaml` (`~/.kvchat/config.yaml` by
-default), which the first run creates from the packaged defaults with each key's help as a
-comment. A key left out takes its default; an unknown key is reported and ignored.
+kvchat reads its settings from `config.yaml` in the platform's config folder
+(`~/.config/kvchat/config.yaml` on Linux; `$KVCHAT_HOME/config.yaml` when that is set; `kvchat
+config path` prints it), which the first run creates from the packaged defaults with each
+key's help as a comment. A key left out takes its default; an unknown key is reported and
+ignored.
 `--set SECTION.KEY=VALUE` overrides a setting for one run (repeatable, e.g.
 `--set long_context.kv_type=INT8`), `kvchat config show` prints the settings in effect and
 `kvchat config validate` checks the file. Enumerated values are case-sensitive.

@@ -78,7 +78,40 @@ class PositionMode(StrEnum):
 
 
 class Theme(StrEnum):
-    """ui.theme: the colour theme of the app."""
+    """ui.theme: the colour theme of the app: dark or light (Textual's own), or any theme
+    Textual ships (its command palette's "Change theme" lists them)."""
 
     DARK = "dark"
     LIGHT = "light"
+    ANSI_DARK = "ansi-dark"
+    ANSI_LIGHT = "ansi-light"
+    ATOM_ONE_DARK = "atom-one-dark"
+    ATOM_ONE_LIGHT = "atom-one-light"
+    CATPPUCCIN_FRAPPE = "catppuccin-frappe"
+    CATPPUCCIN_LATTE = "catppuccin-latte"
+    CATPPUCCIN_MACCHIATO = "catppuccin-macchiato"
+    CATPPUCCIN_MOCHA = "catppuccin-mocha"
+    DRACULA = "dracula"
+    FLEXOKI = "flexoki"
+    GRUVBOX = "gruvbox"
+    MONOKAI = "monokai"
+    NORD = "nord"
+    ROSE_PINE = "rose-pine"
+    ROSE_PINE_DAWN = "rose-pine-dawn"
+    ROSE_PINE_MOON = "rose-pine-moon"
+    SOLARIZED_DARK = "solarized-dark"
+    SOLARIZED_LIGHT = "solarized-light"
+    TOKYO_NIGHT = "tokyo-night"
+
+    @property
+    def textual_name(self) -> str:
+        """The name Textual knows the theme by."""
+        return {Theme.DARK: "textual-dark", Theme.LIGHT: "textual-light"}.get(self, self.value)
+
+    @classmethod
+    def from_textual(cls, name: str) -> Theme | None:
+        """The setting for Textual's theme `name`; None for a theme kvchat does not list."""
+        for theme in cls:
+            if theme.textual_name == name:
+                return theme
+        return None

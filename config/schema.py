@@ -278,7 +278,11 @@ class LongContextSettings:
 
 @dataclass(frozen=True)
 class UISettings:
-    theme: Theme = setting(Theme.DARK, "Colour theme of the app.")
+    theme: Theme = setting(
+        Theme.DARK,
+        "Colour theme of the app: dark, light or another theme Textual ships; one chosen with "
+        "the command palette's Change theme is saved here.",
+    )
     stats_refresh_hz: float = setting(
         4.0,
         "How many times per second the live panels poll the engine statistics.",
@@ -310,7 +314,7 @@ class KeySettings:
 class CacheSettings:
     snapshots: bool = setting(
         True,
-        "Save the KV cache of a long document prefill under $KVCHAT_HOME/cache/snapshots and "
+        "Save the KV cache of a long document prefill in the cache folder (snapshots/) and "
         "load it, instead of prefilling again, whenever the same model and cache settings meet "
         "a text that starts with the same tokens.",
     )

@@ -16,7 +16,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
-from .home import kvchat_home, private_folder
+from .home import Place, folder_for, private_folder
 from .overrides import apply_overrides
 from .schema import Settings, changed_keys, replace_key, schema_fields, sections
 from .validate import Problem, build_settings, did_you_mean, fail, kind, validate_settings
@@ -24,7 +24,7 @@ from .yamltext import edit_values, parse, settings_to_yaml
 
 
 def default_config_path() -> Path:
-    return kvchat_home() / "config.yaml"
+    return folder_for(Place.CONFIG) / "config.yaml"
 
 
 def default_yaml() -> str:
@@ -207,3 +207,39 @@ def _fsync_dir(directory: Path) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
+
+
+def set_values(path: Path, assignments: Sequence[str]) -> list[tuple[str, Any, Any]]:
+    """Set `SECTION.KEY=VALUE` assignments (read as `--set` reads them) in the file at `path`;
+    returns (key, old, new) for each value that changed."""
+    if not assignments:
+        raise ConfigError("nothing to set: give SECTION.KEY=VALUE, e.g. long_context.kv_type=INT8")
+    old = load_settings(path).settings
+    return _save_edit(path, old, apply_overrides(old, assignments))
+
+
+def reset_values(path: Path, keys: Sequence[str] = ()) -> list[tuple[str, Any, Any]]:
+    """Put `keys` (every key when none are given) back to their defaults in the file at
+    `path`; returns (key, old, new) for each value that changed."""
+    every = [f"{name}.{spec.name}" for name, cls, _ in sections() for spec in schema_fields(cls)]
+    for key in keys:
+        if key not in every:
+            raise ConfigError(f"unknown key {key!r}{did_you_mean(key, every)}")
+    old, defaults = load_settings(path).settings, Settings()
+    new = old
+    for key in keys or every:
+        section_name, name = key.split(".")
+        new = replace_key(new, key, getattr(getattr(defaults, section_name), name))
+    return _save_edit(path, old, new)
+
+
+def _save_edit(path: Path, old: Settings, new: Settings) -> list[tuple[str, Any, Any]]:
+    changes = [(key, _value(old, key), _value(new, key)) for key in changed_keys(old, new)]
+    if changes:
+        save_changes(path, old, new)
+    return changes
+
+
+def _value(settings: Settings, key: str) -> Any:
+    section_name, name = key.split(".")
+    return getattr(getattr(settings, section_name), name)

@@ -1,4 +1,4 @@
-"""Saved conversations: one SQLite file under $KVCHAT_HOME, written a message at a time.
+"""Saved conversations: one SQLite file in the data folder, written a message at a time.
 
 Every call opens its own short connection and commits one transaction, so any thread may
 call it, a crash loses at most the message being written, and a second kvchat reading the
@@ -18,8 +18,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 from pathlib import Path
 
-from kvchat.config import kvchat_home
-from kvchat.config.home import create_private_file, private_folder
+from kvchat.config.home import Place, create_private_file, folder_for, private_folder
 from kvchat.config.store import atomic_write_text
 
 DB_NAME = "conversations.sqlite3"
@@ -110,11 +109,11 @@ class SavedConversation:
 
 
 class History:
-    """The saved conversations in `path` (default $KVCHAT_HOME/conversations.sqlite3), a
+    """The saved conversations in `path` (default: conversations.sqlite3 in the data folder), a
     file (and -wal, -shm files) only the user can read."""
 
     def __init__(self, path: Path | None = None) -> None:
-        self.path = path or kvchat_home() / DB_NAME
+        self.path = path or folder_for(Place.DATA) / DB_NAME
         self._ready = False  # the folder, WAL mode and tables exist (checked on first use)
 
     @contextmanager
@@ -289,10 +288,10 @@ def to_markdown(conversation: SavedConversation) -> str:
 
 def export_markdown(conversation: SavedConversation, target: Path | None = None) -> Path:
     """Write the conversation as Markdown to `target`, a file or a folder (default
-    $KVCHAT_HOME/exports/); in a folder the file is named from its date and title.
+    exports/ in the data folder); in a folder the file is named from its date and title.
     Returns the path written; a new file is readable by the user alone, wherever it is."""
     if target is None or target.is_dir():
-        path = (target or kvchat_home() / "exports") / export_name(conversation)
+        path = (target or folder_for(Place.DATA) / "exports") / export_name(conversation)
     else:
         path = target
     try:

@@ -1,5 +1,5 @@
 """This machine's prefill rate, measured once per model, compute path and cache shape and kept
-in $KVCHAT_HOME/cache/prefill-rates.json, for `kvchat plan PATH` to estimate a document's
+in prefill-rates.json in the cache folder, for `kvchat plan PATH` to estimate a document's
 prefill time without prefilling it.
 
 The rate is a context's first chunks' (the second chunk timed, after the first has warmed the
@@ -20,7 +20,7 @@ from datetime import date
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvchat.config.home import create_private_file, kvchat_home, private_folder
+from kvchat.config.home import Place, create_private_file, folder_for, private_folder
 
 from .conversation import Conversation
 
@@ -42,7 +42,7 @@ class PrefillRate:
 
 
 def rates_path() -> Path:
-    return kvchat_home() / "cache" / RATES_FILE
+    return folder_for(Place.CACHE) / RATES_FILE
 
 
 def prefill_rate(engine: Engine, sample: Sequence[int]) -> PrefillRate:

@@ -59,8 +59,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvchat.config import AttentionMode, LongContextSettings, PositionMode, kvchat_home
-from kvchat.config.home import private_folder
+from kvchat.config import AttentionMode, LongContextSettings, PositionMode
+from kvchat.config.home import Place, folder_for, private_folder
 from kvchat.kv.sparse import RETUNABLE
 from kvchat.kv.state import CacheState
 
@@ -119,7 +119,7 @@ class _OtherFormat(_Damaged):
 
 
 def snapshot_dir() -> Path:
-    return kvchat_home() / "cache" / "snapshots"
+    return folder_for(Place.CACHE) / "snapshots"
 
 
 def cache_settings(

@@ -3,7 +3,7 @@ texts of up to ~1M tokens.
 
 Encoding runs on the Rust `tokenizers` library directly. transformers is needed only the first
 time a GGUF file is seen, to convert the tokenizer in its metadata; that conversion takes
-seconds, so its result is cached under $KVCHAT_HOME/cache/tokenizers/.
+seconds, so its result is cached in the cache folder (tokenizers/).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import jinja2.nodes
 import tokenizers
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kvchat.config.home import kvchat_home, private_folder
+from kvchat.config.home import Place, folder_for, private_folder
 
 from .cancel import Cancelled
 
@@ -471,9 +471,8 @@ def _read_gguf_cached(path: Path) -> _TokenizerParts:
 def _cache_file(path: Path) -> Path:
     stat = path.stat()
     key = f"{_CACHE_FORMAT}\0{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
-    home = kvchat_home()
     digest = hashlib.sha256(key.encode()).hexdigest()[:32]
-    return home / "cache" / "tokenizers" / f"{digest}.json"
+    return folder_for(Place.CACHE) / "tokenizers" / f"{digest}.json"
 
 
 def _read_gguf(path: Path) -> _TokenizerParts:

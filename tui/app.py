@@ -31,11 +31,13 @@ from textual.screen import Screen
 from textual.widgets import Footer
 
 from kvchat.config import (
+    ConfigError,
     KeySettings,
     Settings,
     Theme,
     changed_keys,
     default_config_path,
+    save_changes,
 )
 from kvchat.core.engine import Engine, EngineStats
 from kvchat.core.history import (
@@ -74,7 +76,6 @@ from .widgets.status import StatusLine, StepProgress
 
 READY = "ready"
 T = TypeVar("T")
-THEMES = {Theme.DARK: "textual-dark", Theme.LIGHT: "textual-light"}
 
 
 NO_MODEL = "No model is loaded: /model PATH loads one."
@@ -113,14 +114,17 @@ class KvchatApp(App[None]):
         paths: Sequence[str | Path] = (),
         stdin: BinaryIO | None = None,
         config_path: Path | None = None,
+        notices: Sequence[str] = (),
     ) -> None:
         """`engine`: an already loaded engine to use (tests share one); else the app loads
         `model_spec` (default settings.model.path) in its worker at start. `paths`: the
         document to load once the model is ready; `stdin`: what "-" among them reads. The
-        settings screen saves to `config_path` (default: the user's config file)."""
+        settings screen saves to `config_path` (default: the user's config file). `notices`
+        (settings warnings, files moved) show as notifications once the app is up."""
         super().__init__()
         self.settings = settings
         self.config_path = config_path or default_config_path()
+        self.notices = list(notices)
         self.set_keymap(asdict(settings.keys))
         self.engine = engine
         self.model_spec = model_spec
@@ -135,7 +139,7 @@ class KvchatApp(App[None]):
         self.offering = False  # a fit for a document is offered and not answered yet
         self.stop_warnings: Callable[[], None] = lambda: None
         self.document: DocumentInfo | None = None
-        self.history = History()  # $KVCHAT_HOME/conversations.sqlite3, opened on first use
+        self.history = History()  # in the data folder, opened on first use
         self.conversation_id: int | None = None  # saved from its first question on
 
     # ---- layout --------------------------------------------------------------------------
@@ -156,7 +160,7 @@ class KvchatApp(App[None]):
         yield Footer()
 
     def on_mount(self) -> None:
-        self.theme = THEMES[self.settings.ui.theme]
+        self.theme = Theme(self.settings.ui.theme).textual_name
         self.query_one("#progress", StepProgress).hide()
         self.query_one("#side").display = self.settings.ui.show_panels
         self.query_one("#prompt", PromptInput).focus()
@@ -164,6 +168,8 @@ class KvchatApp(App[None]):
             1 / self.settings.ui.stats_refresh_hz, self.refresh_stats
         )
         self.stop_warnings = forward_engine_warnings(self.post)
+        for notice in self.notices:
+            self.notify(notice, severity="warning")
         for problem in prompt_clashes(self.settings.keys):
             self.notify(f"{self.config_path}: {problem}", severity="warning")
         if self.engine is None:
@@ -707,13 +713,25 @@ class KvchatApp(App[None]):
             return
         self.push_screen(SettingsScreen(self.settings, self.config_path), self.apply_settings)
 
+    def watch_theme(self, name: str) -> None:
+        """Save a theme chosen in the command palette ("Change theme"), as /settings would."""
+        theme = Theme.from_textual(name)
+        if theme is None or theme == self.settings.ui.theme or not self.is_mounted:
+            return
+        old = self.settings
+        self.settings = replace(old, ui=replace(old.ui, theme=theme))
+        try:
+            save_changes(self.config_path, old, self.settings)
+        except (ConfigError, OSError) as e:
+            self.notify(f"{self.config_path}: the theme is not saved ({e})", severity="warning")
+
     def apply_settings(self, settings: Settings | None) -> None:
         """Put saved settings to work: keys, theme and panels here, the rest in the engine."""
         if settings is None or self.engine is None:
             return
         old, self.settings = self.settings, settings
         self.set_keymap(asdict(settings.keys))
-        self.theme = THEMES[settings.ui.theme]
+        self.theme = Theme(settings.ui.theme).textual_name
         if settings.ui.show_panels != old.ui.show_panels:  # else keep what the panels key made
             self.query_one("#side").display = settings.ui.show_panels
         if settings.ui.stats_refresh_hz != old.ui.stats_refresh_hz:

@@ -17,7 +17,17 @@ from typing import BinaryIO, TextIO
 import argcomplete
 
 from kvchat.bench.needles import Task, ValueKind
-from kvchat.config import load_settings, settings_markdown, settings_to_yaml
+from kvchat.config import (
+    ConfigError,
+    default_config_path,
+    load_settings,
+    reset_values,
+    set_values,
+    settings_markdown,
+    settings_to_yaml,
+)
+from kvchat.config.home import move_legacy_home
+from kvchat.config.yamltext import render_scalar
 from kvchat.core.cancel import Cancelled
 from kvchat.core.documents import DocumentError
 from kvchat.core.errors import USER_ERRORS
@@ -314,6 +324,16 @@ def cmd_config(args: argparse.Namespace) -> int:
         else:
             Path(args.output).write_text(text, encoding="utf-8")
         return 0
+    if args.action in ("set", "reset"):
+        path = Path(args.config) if args.config else default_config_path()
+        edit = set_values if args.action == "set" else reset_values
+        changes = edit(path, args.values)
+        for key, old, new in changes:
+            print(f"{key}: {render_scalar(old)} -> {render_scalar(new)}")
+        print(f"{path}: {'saved' if changes else 'nothing changed'}")
+        return 0
+    if args.values:
+        raise ConfigError(f"`kvchat config {args.action}` takes no values")
     loaded = _load(args)
     if args.action == "path":
         print(loaded.path)
@@ -504,7 +524,7 @@ def _add_common_options(parser: argparse.ArgumentParser, default: object) -> Non
         "--config",
         metavar="PATH",
         default=default,
-        help="settings file (default: $KVCHAT_HOME/config.yaml)",
+        help="settings file (default: config.yaml in the config folder; `kvchat config path`)",
     )
     parser.add_argument(
         "--set",
@@ -545,6 +565,7 @@ def cmd_app(args: argparse.Namespace) -> int:
         paths=paths,
         stdin=stdin,
         config_path=loaded.path,
+        notices=[*args.notices, *loaded.warnings],
     ).run()
     return 0
 
@@ -673,7 +694,14 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common],
         help="the settings file: its path, the settings in effect, a check, the settings' docs",
     )
-    config.add_argument("action", choices=["path", "show", "validate", "docs"])
+    config.add_argument("action", choices=["path", "show", "validate", "docs", "set", "reset"])
+    config.add_argument(
+        "values",
+        nargs="*",
+        metavar="KEY[=VALUE]",
+        help="set: SECTION.KEY=VALUE (as --set reads it) saved in the file; reset: the keys put "
+        "back to their defaults (none: every key)",
+    )
     config.add_argument(
         "--output",
         metavar="FILE",
@@ -803,7 +831,9 @@ def build_parser() -> argparse.ArgumentParser:
     history.add_argument("action", choices=["list", "export", "rm"])
     history.add_argument("id", nargs="?", type=int, help="export, rm: the conversation's id")
     history.add_argument(
-        "path", nargs="?", help="export: the Markdown file or folder (default $KVCHAT_HOME/exports)"
+        "path",
+        nargs="?",
+        help="export: the Markdown file or folder (default: exports/ in the data folder)",
     )
     history.add_argument("--search", metavar="TEXT", help="list: those whose title or text hold it")
     history.add_argument("--json", action="store_true", help="list: print JSON")
@@ -825,6 +855,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     argcomplete.autocomplete(parser)
     args = parser.parse_args(argv)
     run: Callable[[argparse.Namespace], int] = getattr(args, "func", cmd_app)
+    args.notices = [] if (moved := move_legacy_home()) is None else [moved]
+    for notice in args.notices:
+        print(f"kvchat: {notice}", file=sys.stderr)
     try:
         if run is cmd_app:  # the app shows builds itself
             return run(args)

@@ -91,7 +91,7 @@ ACTIONS = (
         "Save the conversation as Markdown",
         command="export",
         arg="[PATH]",
-        arg_help="default: $KVCHAT_HOME/exports/",
+        arg_help="default: exports/ in the data folder",
     ),
     Action(
         "system",

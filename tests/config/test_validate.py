@@ -7,7 +7,9 @@ import dataclasses
 
 import pytest
 
-from kvchat.config import ConfigError, Settings, load_settings, validate_settings
+from kvchat.config import ConfigError, Settings, Theme, load_settings, validate_settings
+
+THEMES = ", ".join(Theme)  # every theme the setting allows, as the message lists them
 
 # (section, key, value as written in YAML, message after "FILE: ")
 SINGLE_VALUE_ERRORS = [
@@ -150,7 +152,7 @@ SINGLE_VALUE_ERRORS = [
         "BLOCK_MAX, QUEST",
     ),
     ("model", "device", "gpu", 'model.device = "gpu": expected one of auto, cpu, cuda'),
-    ("ui", "theme", "solarized", 'ui.theme = "solarized": expected one of dark, light'),
+    ("ui", "theme", "solarized", f'ui.theme = "solarized": expected one of {THEMES}'),
 ]
 
 
@@ -238,7 +240,7 @@ def test_several_bad_values_are_reported_together(write_config):
     assert str(exc.value) == (
         f"{path}: 2 invalid settings:\n"
         "  generation.top_k = -1: expected an integer from 0 to 1000000\n"
-        '  ui.theme = "blue": expected one of dark, light'
+        f'  ui.theme = "blue": expected one of {THEMES}'
     )
 
 

@@ -189,6 +189,42 @@ def test_config_subcommands(tmp_path, capsys):
     assert "long_context.chunk_size" in err and "-3" in err and str(cfg) in err
 
 
+def test_config_set_and_reset_save_values_and_keep_comments(tmp_path, capsys):
+    cfg = tmp_path / "config.yaml"
+    argv = ["--config", str(cfg)]
+    assert main(["config", "set", "long_context.kv_type=INT8", "generation.seed=7", *argv]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == [
+        "generation.seed: 0 -> 7",
+        "long_context.kv_type: FP16 -> INT8",
+        f"{cfg}: saved",
+    ]
+    text = cfg.read_text()
+    assert "  kv_type: INT8" in text and "  seed: 7" in text
+    assert "# Storage format of the blocks in DRAM" in text  # the file's comments stay
+
+    assert main(["config", "reset", "long_context.kv_type", *argv]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == "long_context.kv_type: INT8 -> FP16"
+    assert "  kv_type: FP16" in cfg.read_text() and "  seed: 7" in cfg.read_text()
+    assert main(["config", "reset", *argv]) == 0
+    assert capsys.readouterr().out.splitlines() == ["generation.seed: 7 -> 0", f"{cfg}: saved"]
+    assert main(["config", "reset", *argv]) == 0
+    assert capsys.readouterr().out.strip() == f"{cfg}: nothing changed"
+
+    for bad, message in [
+        (["set", "long_context.kv_type=INT3"], "long_context.kv_type"),
+        (["set", "kv_type=INT8"], "did you mean long_context.kv_type?"),
+        (["reset", "long_context.kvtype"], "did you mean long_context.kv_type?"),
+        (["set"], "nothing to set"),
+        (["show", "generation.seed"], "takes no values"),
+    ]:
+        before = cfg.read_text()
+        assert main(["config", *bad, *argv]) == EXIT_USAGE
+        err = capsys.readouterr().err
+        assert len(err.strip().splitlines()) == 1 and message in err, err
+        assert cfg.read_text() == before  # a refused edit writes nothing
+
+
 def test_config_docs_prints_or_writes_the_settings_reference(tmp_path, capsys):
     from kvchat.config import settings_markdown
 
@@ -344,3 +380,17 @@ def test_shell_completion_completes_commands_options_and_choices(tmp_path, capsy
     for shell in ("bash", "zsh", "fish"):
         assert main(["completion", shell]) == 0
         assert "kvchat" in capsys.readouterr().out
+
+
+def test_an_earlier_kvchat_home_is_moved_with_a_notice(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("KVCHAT_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / ".config"))
+    (tmp_path / ".kvchat").mkdir()
+    (tmp_path / ".kvchat" / "config.yaml").write_text("generation:\n  seed: 3\n")
+    assert main(["config", "path"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"kvchat: moved {tmp_path / '.kvchat'} to the platform's")
+    assert captured.out.strip() == str(tmp_path / ".config" / "kvchat" / "config.yaml")
+    assert main(["config", "path"]) == 0
+    assert capsys.readouterr().err == ""  # once

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import pytest
 from textual.pilot import Pilot
+from textual.theme import BUILTIN_THEMES
 from textual.widgets import Input, Select, Switch
 
-from kvchat.config import Settings, load_settings, replace_key
+from kvchat.config import Settings, Theme, load_settings, replace_key
 from kvchat.config.yamltext import parse
 from kvchat.core.engine import Engine
 from kvchat.tui.app import KvchatApp
@@ -229,3 +230,21 @@ async def test_slash_settings_opens_the_screen_and_esc_writes_nothing(
 def test_every_key_setting_has_a_binding() -> None:
     ids = {binding.id for binding in KvchatApp.BINDINGS}  # type: ignore[union-attr]
     assert ids == set(vars(Settings().keys))
+
+
+def test_the_theme_setting_lists_every_theme_textual_ships() -> None:
+    assert {theme.textual_name for theme in Theme} == set(BUILTIN_THEMES)
+
+
+async def test_a_theme_chosen_in_the_palette_is_saved(
+    settings: Settings, engine: Engine, config: Path
+) -> None:
+    app = make_app(engine, config)
+    async with app.run_test(size=(120, 40)) as pilot:
+        app.theme = "nord"  # what the command palette's "Change theme" does
+        await pilot.pause()
+        assert app.settings.ui.theme == Theme.NORD
+        assert parse(config.read_text())["ui"]["theme"] == "nord"
+        app.theme = "textual-light"
+        await pilot.pause()
+        assert parse(config.read_text())["ui"]["theme"] == "light"
