@@ -66,7 +66,7 @@ def fit_context(lc: LongContextSettings, n_tokens: int, plan_at: PlanAt) -> Fit 
             f"{n_tokens:,} tokens are more than kvchat holds (long_context.max_seq_len is at "
             f"most {MAX_CONTEXT:,}); load a shorter text."
         )
-    max_seq_len = max(lc.max_seq_len, round_up(n_tokens))
+    max_seq_len = lc.max_seq_len if n_tokens <= lc.max_seq_len else round_up(n_tokens)
     last_plan = None
     for kv_type in _kv_types(lc):
         fitted = replace(lc, max_seq_len=max_seq_len, kv_type=kv_type)

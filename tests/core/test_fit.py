@@ -37,6 +37,8 @@ def between(kv_type: KvType, n_tokens: int, looser: KvType) -> int:
 
 def test_a_context_the_settings_hold_needs_no_fit():
     assert fit_context(SPARSE, 4096, planner(64 * GIB)) is None
+    # Even where max_seq_len is no multiple of the step the fit rounds to.
+    assert fit_context(replace(SPARSE, max_seq_len=1000), 39, planner(64 * GIB)) is None
 
 
 def test_a_context_past_max_seq_len_raises_it_to_a_round_size():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -133,31 +134,28 @@ async def test_a_document_past_the_settings_is_offered_the_fit_and_loads_with_it
 ) -> None:
     note, long = tmp_path / "note.txt", tmp_path / "long.txt"
     note.write_text(NOTE)
-    # ~10K tokens: past max_seq_len (8K), well within memory.
-    long.write_bytes(b"The grass is green. The sky is blue. " * 1000)
+    long.write_bytes(b"The grass is green. The sky is blue. " * 120)  # ~1.3K tokens
+    small = replace(settings, long_context=replace(settings.long_context, max_seq_len=1024))
+    engine = engine.with_settings(small)  # this test's own: the fit changes its settings
     config = tmp_path / "config.yaml"
-    app = KvchatApp(settings, engine=engine, config_path=config, paths=[str(note)])
-    try:
-        async with app.run_test(size=(140, 45)) as pilot:
+    app = KvchatApp(small, engine=engine, config_path=config, paths=[str(note)])
+    async with app.run_test(size=(140, 45)) as pilot:
+        await wait_idle(pilot, app)
+        session, tokens = engine.session, list(engine.session.tokens)
+        for answer in ("escape", "enter"):
+            app.query_one("#prompt").focus()
+            await pilot.press(*f"/load {long}", "enter")
+            await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
+            question = app.screen.question  # type: ignore[attr-defined]
+            await pilot.press(answer)
             await wait_idle(pilot, app)
-            session, tokens = engine.session, list(engine.session.tokens)
-            for answer in ("escape", "enter"):
-                app.query_one("#prompt").focus()
-                await pilot.press(*f"/load {long}", "enter")
-                await wait_for(pilot, lambda: isinstance(app.screen, ConfirmScreen))
-                question = app.screen.question  # type: ignore[attr-defined]
-                await pilot.press(answer)
-                await wait_idle(pilot, app)
-                if answer == "escape":  # declined: nothing changes
-                    assert engine.session is session and session.tokens == tokens
-                    assert len(messages(app, "document")) == 1
-                    assert engine.settings.long_context.max_seq_len == 8192
-            fitted = engine.settings.long_context.max_seq_len
-            assert fitted > 8192 and fitted % 4096 == 0
-            assert f"max_seq_len {fitted:,}" in question and "long.txt: " in question
-            [card] = messages(app, "document")
-            assert len(engine.session.tokens) > 8192
-            assert app.settings.long_context.max_seq_len == fitted
-            assert not config.exists()  # for this run: the settings file is not written
-    finally:
-        engine.apply_settings(settings)
+            if answer == "escape":  # declined: nothing changes
+                assert engine.session is session and session.tokens == tokens
+                assert len(messages(app, "document")) == 1
+                assert engine.settings.long_context.max_seq_len == 1024
+        assert engine.settings.long_context.max_seq_len == 4096
+        assert "max_seq_len 4,096" in question and "long.txt: " in question
+        [card] = messages(app, "document")
+        assert len(engine.session.tokens) > 1024
+        assert app.settings.long_context.max_seq_len == 4096
+        assert not config.exists()  # for this run: the settings file is not written

@@ -104,17 +104,17 @@ def test_missing_question_is_refused(tmp_path):
 
 
 def test_a_document_past_the_settings_gets_the_flags_that_fit_and_loads_with_fit(tmp_path, capsys):
-    path = _write(tmp_path / "long.txt", ("The grass is green. The sky is blue. " * 400).encode())
+    path = _write(tmp_path / "long.txt", ("The grass is green. The sky is blue. " * 60).encode())
     argv = [
         "ask",
         "--prompt-file",
         str(path),
         "--set",
-        "long_context.max_seq_len=1024",
+        "long_context.max_seq_len=512",
         "--set",
-        "long_context.chunk_size=512",
+        "long_context.chunk_size=256",
         "--set",
-        "generation.max_new_tokens=256",
+        "generation.max_new_tokens=16",
         "What colour is the sky?",
     ]
     code = main(argv)
@@ -122,13 +122,13 @@ def test_a_document_past_the_settings_gets_the_flags_that_fit_and_loads_with_fit
     assert code == EXIT_USAGE
     [line] = captured.err.strip().splitlines()
     assert "do not fit the settings" in line
-    assert line.endswith("run again with --fit or add: --set long_context.max_seq_len=8192")
+    assert line.endswith("run again with --fit or add: --set long_context.max_seq_len=4096")
     assert "prefill:" not in captured.err  # refused before any prefill progress
     assert captured.out == ""
 
     assert main([*argv[:-1], "--fit", argv[-1]]) == 0
     captured = capsys.readouterr()
-    assert "kvchat: fitted the settings: max_seq_len 8,192" in captured.err
+    assert "kvchat: fitted the settings: max_seq_len 4,096" in captured.err
     assert "blue" in captured.out.lower()
 
 
