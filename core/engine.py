@@ -568,8 +568,14 @@ class Engine:
         self.session = Session(self)
 
     @classmethod
-    def load(cls, settings: Settings, model_spec: str | None = None) -> Engine:
-        """Load weights and tokenizer for `model_spec` (default: settings.model.path)."""
+    def load(
+        cls,
+        settings: Settings,
+        model_spec: str | None = None,
+        on_progress: ProgressFn | None = None,
+    ) -> Engine:
+        """Load weights and tokenizer for `model_spec` (default: settings.model.path);
+        `on_progress(done, total)` follows the weight tensors read, the longest part."""
         spec = model_spec or settings.model.path
         if model_spec:
             settings = replace(settings, model=replace(settings.model, path=model_spec))
@@ -580,7 +586,7 @@ class Engine:
         # The first process on a machine compiles the CPU kernels (~30-80 s): let loading pay
         # it, not the first question.
         cpu_kernels(device)
-        weights = load_weights(source)
+        weights = load_weights(source, on_progress)
         # Packed int4 keeps the file's exact 4-bit weights; its kernel wants bf16 activations.
         weight_format = "int4" if dtype == torch.bfloat16 and device.type == "cpu" else "dense"
         model = Transformer(weights, dtype=dtype, device=device, weight_format=weight_format)

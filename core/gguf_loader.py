@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -54,8 +55,9 @@ def gguf_tensor_name(hf_name: str) -> str:
     return _GLOBAL_NAMES[hf_name]
 
 
-def load_gguf(path: Path) -> ModelWeights:
-    """Load every decoder tensor of a GGUF file; config and checks come before any dequantizing."""
+def load_gguf(path: Path, on_progress: Callable[[int, int], None] | None = None) -> ModelWeights:
+    """Load every decoder tensor of a GGUF file; config and checks come before any dequantizing.
+    `on_progress(done, total)` follows the tensors."""
     reader = _open(path)
     metadata = _metadata(reader, path)
     by_name = {t.name: t for t in reader.tensors}
@@ -67,7 +69,7 @@ def load_gguf(path: Path) -> ModelWeights:
     int8: dict[str, Int8Groups] = {}
     # All array work is numpy: torch's two-thread kernels stall when other processes share the
     # cores (a 1536x576 int4 dequantization takes 37 ms instead of 0.3 ms on a loaded machine).
-    for hf_name, (tensor, shape) in planned.items():
+    for done, (hf_name, (tensor, shape)) in enumerate(planned.items(), 1):
         heads = _permuted_heads(hf_name, config) if permute else None
         if tensor.tensor_type in INT4_TYPES and len(shape) == 2:
             q, scale, minimum = (_unpermute(a, heads) for a in _int4_groups(tensor))
@@ -84,6 +86,8 @@ def load_gguf(path: Path) -> ModelWeights:
         tensors[hf_name] = torch.from_numpy(
             np.require(values.reshape(shape), np.float32, ["C", "W"])
         )
+        if on_progress is not None:
+            on_progress(done, len(planned))
     return ModelWeights(config, tensors, int4, path, metadata, int8)
 
 

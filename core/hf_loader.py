@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import fields
 from pathlib import Path
@@ -21,8 +22,9 @@ ARCHITECTURES = {
 _ROPE_FIELDS = tuple(f.name for f in fields(RopeScaling) if f.name != "rope_type")
 
 
-def load_hf(folder: Path) -> ModelWeights:
-    """Every decoder tensor as float32; config and shapes are checked before any data is read."""
+def load_hf(folder: Path, on_progress: Callable[[int, int], None] | None = None) -> ModelWeights:
+    """Every decoder tensor as float32; config and shapes are checked before any data is read.
+    `on_progress(done, total)` follows the tensors."""
     raw = _read_json(folder / "config.json")
     config = config_from_hf(raw, folder.name, _generation_eos(folder))
     shapes = expected_shapes(config)
@@ -41,9 +43,11 @@ def load_hf(folder: Path) -> ModelWeights:
                     raise WeightsError(
                         f"{folder}: tensor {name} has shape {found}, expected {shape}"
                     )
-            tensors = {
-                name: where[name].get_tensor(name).to(torch.float32).contiguous() for name in shapes
-            }
+            tensors = {}
+            for done, name in enumerate(shapes, 1):
+                tensors[name] = where[name].get_tensor(name).to(torch.float32).contiguous()
+                if on_progress is not None:
+                    on_progress(done, len(shapes))
         except (SafetensorError, OSError) as exc:
             raise WeightsError(f"{folder}: unreadable safetensors file: {exc}") from exc
     return ModelWeights(config, tensors, {}, folder, raw)

@@ -10,6 +10,7 @@ import hashlib
 import importlib.util
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -234,8 +235,11 @@ def resolve_model_path(spec: str) -> Path:
     )
 
 
-def load_weights(spec: str | Path) -> ModelWeights:
-    """Load a GGUF file, a Hugging Face folder (config.json + safetensors) or a bundled model."""
+def load_weights(
+    spec: str | Path, on_progress: Callable[[int, int], None] | None = None
+) -> ModelWeights:
+    """Load a GGUF file, a Hugging Face folder (config.json + safetensors) or a bundled model;
+    `on_progress(done, total)` follows the tensors read."""
     # The loaders import this module for the shared types, so they are imported here.
     from .gguf_loader import load_gguf
     from .hf_loader import load_hf
@@ -247,9 +251,9 @@ def load_weights(spec: str | Path) -> ModelWeights:
                 f"{path} is a folder without config.json; "
                 "expected a Hugging Face model folder or a .gguf file"
             )
-        return load_hf(path)
+        return load_hf(path, on_progress)
     if path.is_file():
-        return load_gguf(path)
+        return load_gguf(path, on_progress)
     raise WeightsError(f"model file or folder not found: {path}")
 
 

@@ -31,6 +31,7 @@ from kvchat.core.sources import STDIN
 from kvchat.native import build_reports
 
 from .messages import (
+    LOAD_PHASE,
     ConversationResumed,
     DocumentInfo,
     DocumentLoaded,
@@ -111,7 +112,7 @@ def run_step(kind: str, post: Post, cancel: threading.Event, body: Callable[[], 
 
 def load_model(settings: Settings, model_spec: str | None, post: Post) -> str:
     with build_reports(lambda progress: post(KernelBuild(progress))):
-        engine = Engine.load(settings, model_spec)
+        engine = Engine.load(settings, model_spec, progress_reporter(post, LOAD_PHASE))
     post(ModelLoaded(engine))
     return f"loaded {engine.source.name}"
 

@@ -124,7 +124,7 @@ def cmd_ask(args: argparse.Namespace) -> int:
     question = args.question if args.question is not None else sys.stdin.read()
     if not question.strip():
         raise DocumentError("no question given: pass it as an argument or on standard input")
-    engine = Engine.load(settings, args.model)
+    engine = Engine.load(settings, args.model, ProgressLine("load model") if args.verbose else None)
     tokenizer = engine.tokenizer
     # Read up to what a fit could hold: a refusal then names the exact settings that fit.
     stdin = None if sys.stdin is None else sys.stdin.buffer

@@ -18,6 +18,9 @@ from kvchat.core.fit import Fit
 from kvchat.core.history import SavedConversation
 from kvchat.native import BuildProgress
 
+# The phase of Progress while the model loads: it counts weight tensors and cannot be stopped.
+LOAD_PHASE = "load model"
+
 
 class ModelLoaded(Message):
     def __init__(self, engine: Engine) -> None:

@@ -81,7 +81,9 @@ def test_path_to_a_folder_loads_safetensors(tmp_path):
     model = LlamaForCausalLM(config)
     model.save_pretrained(tmp_path)
     for spec in (tmp_path, str(tmp_path)):
-        weights = load_weights(spec)
+        seen: list[tuple[int, int]] = []
+        weights = load_weights(spec, lambda done, total, seen=seen: seen.append((done, total)))
+        assert seen == [(i, len(weights.tensors)) for i in range(1, len(weights.tensors) + 1)]
         assert weights.source == tmp_path
         assert weights.metadata["model_type"] == "llama"
         assert torch.equal(weights.tensors["lm_head.weight"], model.lm_head.weight)
@@ -179,3 +181,10 @@ def test_the_second_model_is_named_with_its_install_command():
     with pytest.raises(WeightsError) as info:
         resolve_model_path("tinyllama-1b")
     assert "qwen2.5-coder-0.5b" in str(info.value)
+
+
+def test_a_gguf_reports_each_tensor_as_it_loads(smollm2_path):
+    seen: list[tuple[int, int]] = []
+    weights = load_weights(smollm2_path, lambda done, total: seen.append((done, total)))
+    n = len(weights.tensors)
+    assert seen == [(i, n) for i in range(1, n + 1)] and n == 272

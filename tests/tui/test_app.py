@@ -18,7 +18,7 @@ from kvchat.config import Settings
 from kvchat.core.engine import Engine
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.log_notices import NoticeHandler
-from kvchat.tui.messages import ReplyPiece, StepFinished
+from kvchat.tui.messages import LOAD_PHASE, Progress, ReplyPiece, StepFinished
 from kvchat.tui.screens.load_file import LoadFileScreen
 from kvchat.tui.widgets.chat import STOPPED_MARK, ChatPane
 from kvchat.tui.widgets.panels import DeviceWindowPanel, DramPanel, Panel
@@ -63,10 +63,18 @@ def status_text(app: KvchatApp) -> str:
 
 async def test_app_loads_its_own_model_in_the_worker(settings: Settings) -> None:
     app = KvchatApp(settings)
+    posted: list[object] = []
+    post = app.post
+    app.post = lambda message: (posted.append(message), post(message))  # type: ignore[method-assign]
     async with app.run_test(size=(140, 45)) as pilot:
         assert app.engine is None and "loading model" in status_text(app)
         await wait_idle(pilot, app)
         assert app.engine is not None
+        loads = [
+            (p.done, p.total) for p in posted if isinstance(p, Progress) and p.phase == LOAD_PHASE
+        ]
+        assert loads and loads[-1] == (272, 272)  # SmolLM2's weight tensors, read
+        assert len(loads) >= 2 or loads[0][0] == loads[0][1]
         app.refresh_stats()
         assert app.engine.stats().model in status_text(app)
         assert "context 0/" in status_text(app)

@@ -314,6 +314,7 @@ def test_ask_about_a_folder(tmp_path):
     assert result.stdout.strip()
     assert "sample-repo/: 4 files read; skipped 1 (.gitignore 1)" in result.stderr
     assert "skipped debug.log (.gitignore)" in result.stderr
+    assert "load model: 272/272 (100%)" in result.stderr  # SmolLM2's tensors, as they load
 
 
 def test_the_document_from_standard_input():

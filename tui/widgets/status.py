@@ -9,6 +9,7 @@ from textual.widgets import Label, ProgressBar, Static
 
 from kvchat.core.engine import EngineStats
 from kvchat.native import BuildProgress
+from kvchat.tui.messages import LOAD_PHASE
 
 
 class StatusLine(Static):
@@ -42,11 +43,12 @@ class StepProgress(Horizontal):
     def show(self, phase: str, done: int, total: int, elapsed: float) -> None:
         self.display = True
         self.query_one(ProgressBar).update(total=max(total, 1), progress=done)
-        unit = "chars" if phase == "tokenize" else "tok"
+        unit = {"tokenize": "chars", LOAD_PHASE: "tensors"}.get(phase, "tok")
+        stops = "" if phase == LOAD_PHASE else "  (Esc stops)"
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = f"{(total - done) / rate:.0f} s" if rate > 0 else "—"
         self.query_one(Label).update(
-            f"{phase} {done:,}/{total:,} {unit}  {rate:,.0f} {unit}/s  ETA {eta}  (Esc stops)"
+            f"{phase} {done:,}/{total:,} {unit}  {rate:,.0f} {unit}/s  ETA {eta}{stops}"
         )
 
     def show_build(self, progress: BuildProgress) -> None:
