@@ -395,3 +395,22 @@ def test_an_earlier_kvchat_home_is_moved_with_a_notice(tmp_path, monkeypatch, ca
     assert captured.out.strip() == str(tmp_path / ".config" / "kvchat" / "config.yaml")
     assert main(["config", "path"]) == 0
     assert capsys.readouterr().err == ""  # once
+
+
+def test_plan_for_a_document_shows_its_memory_the_fit_and_a_prefill_time(
+    tmp_path, capsys, monkeypatch
+):
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))  # no rate measured yet
+    path = _write(tmp_path / "long.txt", ("The grass is green. The sky is blue. " * 60).encode())
+    argv = ["plan", str(path), "--set", "long_context.chunk_size=256"]
+    assert main([*argv, "--set", "long_context.max_seq_len=512"]) == 0
+    out = capsys.readouterr().out
+    assert "long.txt: 2,220 bytes, " in out and "a context of" in out
+    for kv_type in ("FP16", "INT8", "INT4"):
+        assert f"\n{kv_type:<8} " in out
+    assert "do not hold it; these do: --set long_context.max_seq_len=4096" in out
+    assert "prefill: at least " in out and "(measured now, " in out
+    assert main(argv) == 0  # the default max_seq_len holds it; the rate is kept
+    out = capsys.readouterr().out
+    assert "the settings (kv_type FP16, max_seq_len 131,072) hold it" in out
+    assert "(recorded, " in out
