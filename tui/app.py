@@ -472,10 +472,16 @@ class KvchatApp(App[None]):
         if self.engine is None or self.busy:
             self.queued = question
             return
-        await question.set_waiting(False)
-        chat = self.query_one("#chat", ChatPane)
-        chat.move_to_end(question)
-        self.reply = await chat.add_reply()
+        # Busy through the awaits: between the step that ended and this question's, the app
+        # must not look idle (another step could start, a caller could think all is done).
+        self.busy = True
+        try:
+            await question.set_waiting(False)
+            chat = self.query_one("#chat", ChatPane)
+            chat.move_to_end(question)
+            self.reply = await chat.add_reply()
+        finally:
+            self.busy = False
         self.ask(Turn(question))
 
     async def run_command(self, command: Command) -> None:
