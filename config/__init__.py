@@ -28,6 +28,7 @@ from .schema import (
     changed_keys,
     replace_key,
     schema_fields,
+    value_of,
 )
 from .store import (
     LoadedSettings,
@@ -39,7 +40,7 @@ from .store import (
     set_values,
 )
 from .validate import validate_settings
-from .yamltext import settings_to_yaml
+from .yamltext import settings_file_text, settings_to_yaml
 
 __all__ = [
     "WHOLE_BLOCK_ANCHOR_TYPES",
@@ -67,12 +68,14 @@ __all__ = [
     "kvchat_home",
     "load_settings",
     "replace_key",
+    "value_of",
     "reset_values",
     "save_changes",
     "save_settings",
     "schema_fields",
     "set_values",
     "settings_markdown",
+    "settings_file_text",
     "settings_to_yaml",
     "validate_settings",
 ]

@@ -24,9 +24,12 @@ file, then run `{DOCS_COMMAND}`. -->
 
 kvchat reads its settings from `config.yaml` in the platform's config folder
 (`~/.config/kvchat/config.yaml` on Linux; `$KVCHAT_HOME/config.yaml` when that is set; `kvchat
-config path` prints it), which the first run creates from the packaged defaults with each
-key's help as a comment. A key left out takes its default; an unknown key is reported and
-ignored.
+config path` prints it), which the first run creates with every key listed under its help
+and commented out. A key left commented (or left out) takes the default of the kvchat you
+run, so improved defaults reach you; saving from the settings screen or `kvchat config set`
+writes only the keys you change, and a key changed back to its default is commented out
+again. An unknown key is reported and ignored. A file that an earlier kvchat wrote with every
+key set is upgraded once: keys at a current or earlier default are commented out.
 `--set SECTION.KEY=VALUE` overrides a setting for one run (repeatable, e.g.
 `--set long_context.kv_type=INT8`), `kvchat config show` prints the settings in effect and
 `kvchat config validate` checks the file. Enumerated values are case-sensitive.

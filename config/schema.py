@@ -387,6 +387,12 @@ def changed_keys(old: Settings, new: Settings) -> list[str]:
     ]
 
 
+def value_of(settings: Settings, key: str) -> Any:
+    """The value of `section.key` in `settings`."""
+    section_name, name = key.split(".")
+    return getattr(getattr(settings, section_name), name)
+
+
 def replace_key(settings: Settings, key: str, value: Any) -> Settings:
     """A copy of `settings` with `section.key` set to `value` (not validated here)."""
     section_name, name = key.split(".")

@@ -18,9 +18,10 @@ import yaml
 from .errors import ConfigError
 from .home import Place, folder_for, private_folder
 from .overrides import apply_overrides
-from .schema import Settings, changed_keys, replace_key, schema_fields, sections
+from .schema import Settings, changed_keys, replace_key, schema_fields, sections, value_of
+from .upgrade import is_whole_file, upgrade
 from .validate import Problem, build_settings, did_you_mean, fail, kind, validate_settings
-from .yamltext import edit_values, parse, settings_to_yaml
+from .yamltext import edit_values, parse, settings_file_text
 
 
 def default_config_path() -> Path:
@@ -45,9 +46,10 @@ def load_settings(
 ) -> LoadedSettings:
     """Read the settings file, fill in defaults for missing keys, validate, apply overrides.
 
-    A missing file is created from the packaged default when `create` is true (and
-    reported as a warning when it cannot be). Unknown keys become warnings; anything
-    invalid raises ConfigError.
+    When `create` is true, a missing file is created from the packaged default (reported
+    as a warning when it cannot be), and a file written whole by an earlier kvchat is
+    upgraded once (config/upgrade.py, reported as a warning). Unknown keys become warnings;
+    anything invalid raises ConfigError.
     """
     path = Path(path) if path is not None else default_config_path()
     warnings: list[str] = []
@@ -67,8 +69,38 @@ def load_settings(
             except OSError as exc:
                 warnings.append(f"{path}: could not create it ({exc}); using the built-in defaults")
     settings = settings_from_text(text, str(path), warnings)
+    if create and not created and is_whole_file(text):
+        settings = _upgrade(path, warnings)
     settings = apply_overrides(settings, overrides)
     return LoadedSettings(settings=settings, path=path, warnings=warnings, created=created)
+
+
+def _upgrade(path: Path, warnings: list[str]) -> Settings:
+    """Upgrade the whole file at `path` (config/upgrade.py); the settings it gives after."""
+    with _save_lock(path):
+        text = _read(path) or ""  # read again: another kvchat may have upgraded it
+        settings = settings_from_text(text, str(path), [])
+        if not is_whole_file(text):
+            return settings
+        upgraded = upgrade(text, settings)
+        if upgraded is None or not _holds(upgraded[0], upgraded[1]):
+            warnings.append(
+                f"{path}: keys at their defaults could not be commented out (an unusual "
+                "layout), so new defaults do not reach them; `kvchat config reset KEY` does it"
+            )
+            return settings
+        text, settings, changes = upgraded
+        try:
+            atomic_write_text(path, text)
+        except OSError as exc:
+            warnings.append(f"{path}: could not upgrade it ({exc})")
+            return settings_from_text(_read(path) or "", str(path), [])
+    note = f"; now {', '.join(changes)}" if changes else ""
+    warnings.append(
+        f"{path}: the keys at their defaults are now commented out, so kvchat's defaults "
+        f"reach you{note}"
+    )
+    return settings
 
 
 def _read(path: Path) -> str | None:
@@ -121,14 +153,18 @@ def settings_from_text(text: str, source: str, warnings: list[str]) -> Settings:
 def save_settings(settings: Settings, path: Path) -> None:
     """Validate and write `settings` to `path` atomically.
 
-    An existing file keeps its comments, layout and unknown keys: only the values
-    change. A file the line editor cannot handle is re-rendered from the commented
-    template instead.
+    An existing file keeps its comments, layout and unknown keys: only the lines of keys
+    whose values change are rewritten, and a key changed to its default is commented out.
+    A file that does not load, or that the line editor cannot handle, is rendered afresh.
     """
     path = Path(path)
     validate_settings(settings, str(path))
     with _save_lock(path):
-        _write_settings(settings, path)
+        keys = None
+        if path.is_file():
+            with contextlib.suppress(ConfigError):
+                keys = changed_keys(load_settings(path, create=False).settings, settings)
+        _write_settings(settings, path, keys)
 
 
 def save_changes(path: Path, old: Settings, new: Settings) -> None:
@@ -143,11 +179,11 @@ def save_changes(path: Path, old: Settings, new: Settings) -> None:
     with _save_lock(path):
         # create=False: this process holds the lock load_settings takes to create a file.
         settings = load_settings(path, create=False).settings
-        for key in changed_keys(old, new):
-            section_name, name = key.split(".")
-            settings = replace_key(settings, key, getattr(getattr(new, section_name), name))
+        keys = changed_keys(old, new)
+        for key in keys:
+            settings = replace_key(settings, key, value_of(new, key))
         validate_settings(settings, str(path))
-        _write_settings(settings, path)
+        _write_settings(settings, path, keys)
 
 
 @contextlib.contextmanager
@@ -165,12 +201,24 @@ def _save_lock(path: Path) -> Iterator[None]:
         os.close(fd)  # closing it releases the lock
 
 
-def _write_settings(settings: Settings, path: Path) -> None:
+def _write_settings(settings: Settings, path: Path, keys: Sequence[str] | None = None) -> None:
+    """Write `settings` to `path`, editing the lines of `keys` (every key when None) in the
+    file there when the editor can and the result holds exactly `settings`."""
     text = None
     if path.is_file():
         with contextlib.suppress(UnicodeDecodeError):
-            text = edit_values(path.read_text(encoding="utf-8"), settings)
-    atomic_write_text(path, text or settings_to_yaml(settings))
+            text = edit_values(path.read_text(encoding="utf-8"), settings, keys)
+    if text is None or not _holds(text, settings):
+        text = settings_file_text(settings)
+    atomic_write_text(path, text)
+
+
+def _holds(text: str, settings: Settings) -> bool:
+    """Whether `text` reads back as exactly `settings`."""
+    try:
+        return settings_from_text(text, "", []) == settings
+    except ConfigError:
+        return False
 
 
 def atomic_write_text(path: Path, text: str) -> None:
@@ -228,18 +276,12 @@ def reset_values(path: Path, keys: Sequence[str] = ()) -> list[tuple[str, Any, A
     old, defaults = load_settings(path).settings, Settings()
     new = old
     for key in keys or every:
-        section_name, name = key.split(".")
-        new = replace_key(new, key, getattr(getattr(defaults, section_name), name))
+        new = replace_key(new, key, value_of(defaults, key))
     return _save_edit(path, old, new)
 
 
 def _save_edit(path: Path, old: Settings, new: Settings) -> list[tuple[str, Any, Any]]:
-    changes = [(key, _value(old, key), _value(new, key)) for key in changed_keys(old, new)]
+    changes = [(key, value_of(old, key), value_of(new, key)) for key in changed_keys(old, new)]
     if changes:
         save_changes(path, old, new)
     return changes
-
-
-def _value(settings: Settings, key: str) -> Any:
-    section_name, name = key.split(".")
-    return getattr(getattr(settings, section_name), name)

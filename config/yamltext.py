@@ -1,27 +1,38 @@
 """The settings as YAML text: parsing, the commented rendering, and editing values in a
 user's file without losing their comments.
 
-PyYAML drops comments when it loads, so a save that re-dumps the data would erase the
-user's notes. Instead `edit_values` rewrites only the value on each `key: value` line,
-checks the result parses back to exactly the settings, and otherwise gives up (the
-caller then renders the whole file afresh).
+The settings file lists every key with its help, and comments out the keys at their
+defaults, so a default improved in a later kvchat reaches the user. PyYAML drops comments
+when it loads, so a save that re-dumps the data would erase the user's notes. Instead
+`edit_values` rewrites only the lines of the keys that change, and gives up on a layout it
+does not handle (the caller then renders the whole file afresh).
 """
 
 from __future__ import annotations
 
 import re
 import textwrap
+from collections.abc import Collection
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 import yaml
 
-from .schema import FieldSpec, Settings, schema_fields, sections
+from .schema import FieldSpec, Settings, schema_fields, sections, value_of
 
 HEADER = """\
-# kvchat settings. Created from the packaged default on first run; kvchat keeps your
-# comments when it saves. A key left out takes its default; an unknown key is reported
+# kvchat settings. Every key is listed with its help and its default, commented out: a key
+# left commented takes the default of the kvchat you run, so better defaults reach you.
+# Remove a key's '#' and edit its value to change it (or run kvchat config set
+# SECTION.KEY=VALUE); kvchat keeps your comments when it saves. An unknown key is reported
 # and ignored.
+"""
+
+# `kvchat config show`: every value live, the file's, the defaults and --set overrides merged.
+SHOW_HEADER = """\
+# kvchat settings in effect: the settings file, the defaults for the keys it leaves out,
+# and this run's --set overrides.
 """
 
 _WIDTH = 92
@@ -71,54 +82,92 @@ def _comment(spec: FieldSpec, indent: str) -> list[str]:
     )
 
 
-def _key_block(spec: FieldSpec, value: Any, indent: str) -> list[str]:
-    return [*_comment(spec, indent), f"{indent}{spec.name}: {render_scalar(value)}"]
+def _key_block(spec: FieldSpec, value: Any, indent: str, live: bool) -> list[str]:
+    return [*_comment(spec, indent), _key_line(indent, spec.name, value, live, "")]
 
 
-def _section_block(name: str, cls: type, help: str, values: Any) -> list[str]:
+def _key_line(indent: str, key: str, value: Any, live: bool, comment: str) -> str:
+    return f"{indent}{'' if live else '# '}{key}: {render_scalar(value)}{comment}"
+
+
+def _section_block(
+    name: str, cls: type, help: str, values: Any, specs: list[FieldSpec], comment_defaults: bool
+) -> list[str]:
     lines = [f"# {help}", f"{name}:"]
-    for spec in schema_fields(cls):
-        lines += _key_block(spec, getattr(values, spec.name), "  ")
+    for spec in specs:
+        value = getattr(values, spec.name)
+        live = not (comment_defaults and is_default(name, spec.name, value))
+        lines += _key_block(spec, value, "  ", live)
     return lines
 
 
-def settings_to_yaml(settings: Settings) -> str:
-    """The full settings file: every key, each under a comment with its help and range."""
+def _render(settings: Settings, header: str, comment_defaults: bool) -> str:
     blocks = [
-        "\n".join(_section_block(name, cls, help, getattr(settings, name)))
+        "\n".join(
+            _section_block(
+                name, cls, help, getattr(settings, name), schema_fields(cls), comment_defaults
+            )
+        )
         for name, cls, help in sections()
     ]
-    return HEADER + "\n" + "\n\n".join(blocks) + "\n"
+    return header + "\n" + "\n\n".join(blocks) + "\n"
+
+
+def is_default(section: str, key: str, value: Any) -> bool:
+    """Whether `value` is the default of `section.key`: such a key is left commented out in
+    the settings file, so it follows the default of the kvchat that reads the file."""
+    return value == value_of(_DEFAULTS, f"{section}.{key}")
+
+
+_DEFAULTS = Settings()
+
+
+def settings_file_text(settings: Settings) -> str:
+    """The settings file for `settings`: every key under a comment with its help and range,
+    the keys at their defaults commented out."""
+    return _render(settings, HEADER, comment_defaults=True)
+
+
+def settings_to_yaml(settings: Settings) -> str:
+    """Every value of `settings` live, each under its help: what `kvchat config show` prints."""
+    return _render(settings, SHOW_HEADER, comment_defaults=False)
 
 
 _SECTION_LINE = re.compile(r"^(?P<name>[A-Za-z_][\w-]*)[ \t]*:(?P<rest>.*)$")
 # A block-mapping entry with an optional scalar and an optional trailing comment; a plain
 # scalar may contain '#' when no blank precedes it, hence the lazy value group.
-_KEY_LINE = re.compile(
-    r"""^(?P<indent>[ \t]+)(?P<key>[A-Za-z_]\w*)[ \t]*:
+_ENTRY = r"""(?P<key>[A-Za-z_]\w*)[ \t]*:
         (?:[ \t]+(?P<value>"(?:[^"\\]|\\.)*"|'(?:[^']|'')*'|[^\s#].*?))?
-        (?P<comment>[ \t]*\#.*)?[ \t]*$""",
-    re.VERBOSE,
-)
+        (?P<comment>[ \t]*\#.*)?[ \t]*$"""
+_KEY_LINE = re.compile(r"^(?P<indent>[ \t]+)" + _ENTRY, re.VERBOSE)
+# The same entry commented out, as the settings file lists a key left at its default.
+_COMMENTED_KEY_LINE = re.compile(r"^(?P<indent>[ \t]+)\#[ \t]?" + _ENTRY, re.VERBOSE)
 
 
-def edit_values(text: str, settings: Settings) -> str | None:
-    """`text` with every schema value set from `settings`, comments and unknown keys kept.
+@dataclass
+class _Section:
+    """Where a section's keys are in the file's lines."""
 
-    Keys missing from the text are added at the end of their section, and missing
-    sections at the end of the file, with their comments. None when the text is laid out
-    in a way this line editor does not handle (flow style, multi-line values, ...).
-    """
-    lines = text.splitlines()
-    known = {name: (cls, help) for name, cls, help in sections()}
-    names = {name: {spec.name for spec in schema_fields(cls)} for name, (cls, _) in known.items()}
-    seen: dict[str, set[str]] = {}  # section -> schema keys found, for sections present
-    last_line: dict[str, int] = {}  # section -> its last content line
-    indents: dict[str, str] = {}  # section -> the indentation of its direct children
+    last: int  # its last indented line: keys it lacks are inserted after it
+    indent: str | None = None  # the indentation of its live keys
+    live: dict[str, int] = field(default_factory=dict)  # key -> line
+    commented: dict[str, tuple[int, str]] = field(default_factory=dict)  # key -> line, indent
+
+    def key_indent(self) -> str:
+        if self.indent is not None:
+            return self.indent
+        return next(iter(self.commented.values()), (0, "  "))[1]
+
+
+def _layout(lines: list[str]) -> dict[str, _Section] | None:
+    """The schema sections found in `lines`, or None for a layout the line editor does not
+    handle (a section in flow style)."""
+    known = {name: {spec.name for spec in schema_fields(cls)} for name, cls, _ in sections()}
+    found: dict[str, _Section] = {}
     current = None
     for i, line in enumerate(lines):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
+        if not line.strip() or line.startswith("#"):
+            continue  # a comment at the left margin introduces the next section
         if not line[0].isspace():
             match = _SECTION_LINE.match(line)
             current = match["name"] if match else None
@@ -126,58 +175,77 @@ def edit_values(text: str, settings: Settings) -> str | None:
                 rest = match["rest"].strip()
                 if rest and not rest.startswith("#"):
                     return None  # `model: {...}`: not a block this editor can edit
-                seen.setdefault(current, set())
-                last_line[current] = i
+                found.setdefault(current, _Section(last=i))
             continue
         if current not in known:
             continue
-        last_line[current] = i
-        indent = indents.setdefault(current, line[: len(line) - len(line.lstrip())])
+        section = found[current]
+        section.last = i
+        if line.lstrip().startswith("#"):
+            match = _COMMENTED_KEY_LINE.match(line)
+            if match and match["key"] in known[current]:
+                section.commented.setdefault(match["key"], (i, match["indent"]))
+            continue
+        if section.indent is None:
+            section.indent = line[: len(line) - len(line.lstrip())]
         match = _KEY_LINE.match(line)
         # A deeper line belongs to a value (a user's nested mapping), not to the section.
-        if match is None or match["indent"] != indent or match["key"] not in names[current]:
-            continue
-        comment = match["comment"] or ""
-        if comment and not comment[0].isspace():
-            comment = " " + comment
-        value = getattr(getattr(settings, current), match["key"])
-        lines[i] = f"{indent}{match['key']}: {render_scalar(value)}{comment}"
-        seen[current].add(match["key"])
+        if match and match["indent"] == section.indent and match["key"] in known[current]:
+            section.live[match["key"]] = i
+    # A commented entry counts only at the indentation of the section's keys.
+    for section in found.values():
+        indent = section.key_indent()
+        section.commented = {k: v for k, v in section.commented.items() if v[1] == indent}
+    return found
 
-    # Bottom-up, so inserting lines does not shift the positions still to be used.
-    for name in sorted(seen, key=last_line.__getitem__, reverse=True):
-        cls, _ = known[name]
+
+def edit_values(text: str, settings: Settings, keys: Collection[str] | None = None) -> str | None:
+    """`text` with the values of `keys` (SECTION.KEY; every key when None) set from
+    `settings`, comments and unknown keys kept.
+
+    A key at its default is commented out, so the file follows the defaults of the kvchat
+    that reads it; a key set to another value is written on its line, on its commented
+    line (uncommented), or at the end of its section with its help, the section added at
+    the end of the file when it is missing. None when the text is laid out in a way this
+    line editor does not handle (flow style, ...); the caller checks the result parses
+    back to `settings`.
+    """
+    lines = text.splitlines()
+    found = _layout(lines)
+    if found is None:
+        return None
+    inserts: list[tuple[int, list[str]]] = []
+    for name, cls, help in sections():
         values = getattr(settings, name)
-        added = [
-            line
-            for spec in schema_fields(cls)
-            if spec.name not in seen[name]
-            for line in _key_block(spec, getattr(values, spec.name), indents.get(name, "  "))
+        chosen = [
+            spec for spec in schema_fields(cls) if keys is None or f"{name}.{spec.name}" in keys
         ]
-        lines[last_line[name] + 1 : last_line[name] + 1] = added
-    for name, (cls, help) in known.items():
-        if name not in seen:
-            lines += ["", *_section_block(name, cls, help, getattr(settings, name))]
-
-    edited = "\n".join(lines) + "\n"
-    return edited if _holds(edited, settings) else None
-
-
-def _holds(text: str, settings: Settings) -> bool:
-    """Whether `text` parses back to exactly the values of `settings` (types included)."""
-    try:
-        data = parse(text)
-    except yaml.YAMLError:
-        return False
-    if not isinstance(data, dict):
-        return False
-    for name, cls, _ in sections():
-        section_data = data.get(name)
-        if not isinstance(section_data, dict):
-            return False
-        for spec in schema_fields(cls):
-            want = _plain(getattr(getattr(settings, name), spec.name))
-            got = section_data.get(spec.name)
-            if type(got) is not type(want) or got != want:
-                return False
-    return True
+        section = found.get(name)
+        if section is None:
+            missing = [s for s in chosen if not is_default(name, s.name, getattr(values, s.name))]
+            if missing:
+                lines += ["", *_section_block(name, cls, help, values, missing, True)]
+            continue
+        added: list[str] = []
+        for spec in chosen:
+            value = getattr(values, spec.name)
+            live = not is_default(name, spec.name, value)
+            if spec.name in section.live:
+                i, indent = section.live[spec.name], section.key_indent()
+            elif spec.name in section.commented and live:
+                i, indent = section.commented[spec.name]
+            else:
+                if live:
+                    added += _key_block(spec, value, section.key_indent(), True)
+                continue
+            pattern = _KEY_LINE if spec.name in section.live else _COMMENTED_KEY_LINE
+            comment = pattern.match(lines[i])["comment"] or ""
+            if comment and not comment[0].isspace():
+                comment = " " + comment
+            lines[i] = _key_line(indent, spec.name, value, live, comment)
+        if added:
+            inserts.append((section.last + 1, added))
+    # Bottom-up, so inserting lines does not shift the positions still to be used.
+    for at, added in sorted(inserts, reverse=True):
+        lines[at:at] = added
+    return "\n".join(lines) + "\n"

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
+from pathlib import Path
 
 import pytest
 
@@ -23,6 +25,7 @@ from kvchat.config import (
     load_settings,
 )
 from kvchat.config.store import default_yaml
+from kvchat.config.yamltext import HEADER
 
 
 def test_first_run_creates_the_file_from_the_packaged_default(home):
@@ -230,3 +233,37 @@ def test_a_home_that_cannot_be_written_gives_defaults_and_a_warning(home):
     assert (loaded.created, loaded.settings) == (False, Settings())
     assert loaded.warnings[0].startswith(f"{home / 'config.yaml'}: could not create it (")
     assert not (home / "config.yaml").exists()
+
+
+WRITTEN_WHOLE = Path(__file__).parents[1] / "fixtures" / "config-written-whole.yaml"
+
+
+def test_a_file_written_whole_is_upgraded_once_so_new_defaults_reach_it(write_config):
+    # A file as earlier releases wrote it: every key with its value, second_select_num at
+    # the default of then (32); the user warmed the temperature and added a note.
+    text = (
+        WRITTEN_WHOLE.read_text(encoding="utf-8")
+        .replace("  temperature: 0.0", "  temperature: 0.7  # warmer")
+        .replace("# Which model", "# my laptop\n# Which model")
+    )
+    assert "  second_select_num: 32\n" in text
+    path = write_config(text)
+    assert load_settings(create=False).settings.long_context.second_select_num == 32
+    assert path.read_text(encoding="utf-8") == text  # a read-only load writes nothing
+
+    loaded = load_settings()
+    assert loaded.settings.long_context.second_select_num == 16
+    assert loaded.settings.generation.temperature == 0.7
+    assert loaded.warnings == [
+        f"{path}: the keys at their defaults are now commented out, so kvchat's defaults "
+        "reach you; now long_context.second_select_num: 32 -> 16"
+    ]
+    saved = path.read_text(encoding="utf-8")
+    assert saved.startswith(HEADER)
+    lines = saved.splitlines()
+    assert "# my laptop" in lines and "  # second_select_num: 16" in lines
+    assert [line for line in lines if re.match(r"  \w+:", line)] == ["  temperature: 0.7  # warmer"]
+
+    again = load_settings()
+    assert (again.settings, again.warnings) == (loaded.settings, [])
+    assert path.read_text(encoding="utf-8") == saved

@@ -18,9 +18,10 @@ from kvchat.config import (
     KvType,
     Settings,
     load_settings,
+    replace_key,
     save_changes,
     save_settings,
-    settings_to_yaml,
+    settings_file_text,
 )
 from kvchat.config.store import default_yaml
 
@@ -40,7 +41,12 @@ def test_save_to_a_new_path_renders_the_commented_file(tmp_path):
     path = tmp_path / "new" / "config.yaml"
     settings = _changed(Settings())
     save_settings(settings, path)
-    assert path.read_text(encoding="utf-8") == settings_to_yaml(settings)
+    text = path.read_text(encoding="utf-8")
+    assert text == settings_file_text(settings)
+    # The changed keys are live; the others are commented out, so they follow the defaults.
+    lines = text.splitlines()
+    assert {"  temperature: 0.7", "  kv_type: INT8", "  show_panels: false"} <= set(lines)
+    assert {"  # top_p: 1.0", "  # max_seq_len: 131072", "  # theme: dark"} <= set(lines)
     assert load_settings(path).settings == settings
     assert sorted(os.listdir(path.parent)) == [".config.yaml.lock", "config.yaml"]
 
@@ -50,8 +56,10 @@ def test_user_comments_and_unknown_keys_survive_a_save(home):
     user_text = (
         default_yaml()
         .replace("# Which model", "# my laptop setup\n# Which model")
-        .replace("  kv_type: FP16", "  kv_type: FP16   # INT4 was too lossy for me\n  my_note: 1")
-        .replace("  theme: dark", "  # I like it dark\n  theme: dark")
+        .replace(
+            "  # kv_type: FP16", "  # kv_type: FP16   # INT4 was too lossy for me\n  my_note: 1"
+        )
+        .replace("  # theme: dark", "  # I like it dark\n  theme: dark")
     )
     path.write_text(user_text, encoding="utf-8")
     settings = _changed(load_settings().settings)
@@ -60,13 +68,13 @@ def test_user_comments_and_unknown_keys_survive_a_save(home):
 
     saved = path.read_text(encoding="utf-8")
     expected = (
-        user_text.replace("  temperature: 0.0", "  temperature: 0.7")
-        .replace("  seed: 0", "  seed: -1")
-        .replace("  kv_type: FP16   #", "  kv_type: INT8   #")
-        .replace("  preselect_block: false", "  preselect_block: true")
-        .replace("  show_panels: true", "  show_panels: false")
+        user_text.replace("  # temperature: 0.0", "  temperature: 0.7")
+        .replace("  # seed: 0", "  seed: -1")
+        .replace("  # kv_type: FP16   #", "  kv_type: INT8   #")
+        .replace("  # preselect_block: false", "  preselect_block: true")
+        .replace("  # show_panels: true", "  show_panels: false")
     )
-    assert saved == expected  # only the changed values differ
+    assert saved == expected  # only the changed values differ; `theme: dark` stays live
     assert load_settings().settings == settings
 
 
@@ -79,8 +87,8 @@ def test_enum_members_are_saved_as_their_plain_strings(home):
     )
     changed = dataclasses.replace(settings, long_context=lc)
     save_changes(path, settings, changed)  # the line editor
-    expected = before.replace("  kv_type: FP16", "  kv_type: INT4").replace(
-        "  attention: sparse", "  attention: dense"
+    expected = before.replace("  # kv_type: FP16", "  kv_type: INT4").replace(
+        "  # attention: sparse", "  attention: dense"
     )
     assert path.read_text(encoding="utf-8") == expected
     fresh = path.with_name("fresh.yaml")
@@ -100,17 +108,20 @@ def test_save_adds_missing_keys_and_sections_with_comments(write_config):
           kv_type: INT8
         """
     )
-    settings = load_settings().settings
+    settings = _changed(load_settings().settings)
     save_settings(settings, path)
 
     saved = path.read_text(encoding="utf-8")
     assert saved.startswith(
         "# written by kvchat 0.0.9\nmodel:\n  path: /models/qwen.gguf  # the big one\n"
     )
-    assert "  kv_type: INT8\n" in saved
-    for line in ("  dtype: auto", "  chunk_size: 2048", "generation:", "ui:", "  theme: dark"):
-        assert line in saved.splitlines()
-    assert "# Tokens per KV cache block" in saved  # added keys come with their comments
+    lines = saved.splitlines()
+    for line in ("  kv_type: INT8", "generation:", "  temperature: 0.7", "  seed: -1", "ui:"):
+        assert line in lines
+    assert "  preselect_block: true" in lines
+    assert "# After prefill, preselect once" in saved  # added keys come with their comments
+    # Keys at their defaults are not added: they follow kvchat's defaults.
+    assert not {"  dtype: auto", "  top_p: 1.0", "  theme: dark"} & set(lines)
     reloaded = load_settings()
     assert (reloaded.settings, reloaded.warnings) == (settings, [])
 
@@ -126,8 +137,9 @@ def test_save_adds_missing_keys_and_sections_with_comments(write_config):
 def test_layouts_the_line_editor_cannot_handle_are_re_rendered(write_config, text):
     path = write_config(text)
     settings = _changed(load_settings().settings)
+    settings = dataclasses.replace(settings, model=dataclasses.replace(settings.model, path="y"))
     save_settings(settings, path)
-    assert path.read_text(encoding="utf-8") == settings_to_yaml(settings)
+    assert path.read_text(encoding="utf-8") == settings_file_text(settings)
 
 
 @pytest.mark.parametrize(
@@ -211,7 +223,7 @@ def test_a_users_nested_mapping_is_not_mistaken_for_settings(write_config):
 
 def test_save_changes_writes_only_what_changed(home):
     path = load_settings().path
-    path.write_text(default_yaml().replace("  seed: 0", "  seed: 7  # mine"), encoding="utf-8")
+    path.write_text(default_yaml().replace("  # seed: 0", "  seed: 7  # mine"), encoding="utf-8")
     # This run's settings carry a --set override the file must not receive.
     old = load_settings(overrides=["generation.max_new_tokens=8"]).settings
     new = dataclasses.replace(
@@ -219,14 +231,14 @@ def test_save_changes_writes_only_what_changed(home):
     )
     save_changes(path, old, new)
     assert path.read_text(encoding="utf-8") == default_yaml().replace(
-        "  seed: 0", "  seed: 7  # mine"
-    ).replace("  second_select_num: 16", "  second_select_num: 8")
+        "  # seed: 0", "  seed: 7  # mine"
+    ).replace("  # second_select_num: 16", "  second_select_num: 8")
 
 
 def test_save_changes_refuses_a_file_the_change_breaks(home):
     path = load_settings().path
-    small = default_yaml().replace("  max_seq_len: 131072", "  max_seq_len: 2048")
-    path.write_text(small.replace("  chunk_size: 2048", "  chunk_size: 1024"))
+    small = default_yaml().replace("  # max_seq_len: 131072", "  max_seq_len: 2048")
+    path.write_text(small.replace("  # chunk_size: 2048", "  chunk_size: 1024"))
     before = path.read_bytes()
     # The run raised max_seq_len by --set; a larger chunk_size fits the run, not the file.
     old = load_settings(overrides=["long_context.max_seq_len=8192"]).settings
@@ -284,3 +296,26 @@ def test_two_processes_saving_at_once_keep_both_changes(home):
     assert errors == ["", ""]
     saved = load_settings().settings.generation
     assert (saved.seed, saved.top_k) == (rounds, rounds)
+
+
+def test_a_key_saved_at_its_default_is_commented_out_with_its_comment(home):
+    path = load_settings().path
+    path.write_text(
+        default_yaml().replace("  # temperature: 0.0", "  temperature: 0.7  # warmer"),
+        encoding="utf-8",
+    )
+    old = load_settings().settings
+    save_changes(path, old, replace_key(old, "generation.temperature", 0.0))
+    # The file is the default file again, but for the user's comment.
+    assert path.read_text(encoding="utf-8") == default_yaml().replace(
+        "  # temperature: 0.0", "  # temperature: 0.0  # warmer"
+    )
+
+
+def test_a_key_the_user_set_to_the_default_stays_when_others_are_saved(home):
+    path = load_settings().path
+    path.write_text(default_yaml().replace("  # top_p: 1.0", "  top_p: 1.0"), encoding="utf-8")
+    old = load_settings().settings
+    save_changes(path, old, replace_key(old, "generation.seed", 3))
+    lines = path.read_text(encoding="utf-8").splitlines()
+    assert "  top_p: 1.0" in lines and "  seed: 3" in lines

@@ -21,6 +21,7 @@ from kvchat.config import (
     default_config_path,
     kvchat_home,
     schema_fields,
+    settings_file_text,
     settings_to_yaml,
 )
 from kvchat.config.schema import sections
@@ -40,11 +41,15 @@ ALL_SPECS = [(name, spec) for name, cls, _ in sections() for spec in schema_fiel
 SPEC_IDS = [f"{name}.{spec.name}" for name, spec in ALL_SPECS]
 
 
+KEY = re.compile(rf"^  # ({'|'.join(spec.name for _, spec in ALL_SPECS)}): ")
+
+
 def _comment_above(lines: list[str], index: int) -> str:
     """The comment block right above line `index`, joined into one line of text."""
     parts = []
     i = index - 1
-    while i >= 0 and lines[i].lstrip().startswith("#"):
+    # Up to the line above that is not a comment, or that is the commented-out key before.
+    while i >= 0 and lines[i].lstrip().startswith("#") and not KEY.match(lines[i]):
         parts.insert(0, lines[i].lstrip()[1:].strip())
         i -= 1
     return " ".join(parts)
@@ -63,35 +68,37 @@ def test_sections_are_the_six_in_file_order():
 
 
 @pytest.mark.parametrize(("section", "spec"), ALL_SPECS, ids=SPEC_IDS)
-def test_default_yaml_has_every_key_with_its_comment_and_default(section, spec):
-    text = default_yaml()
-    data = parse(text)
-    value = data[section][spec.name]
+def test_default_yaml_lists_every_key_commented_out_with_its_comment_and_default(section, spec):
+    lines = default_yaml().splitlines()
+    start = lines.index(f"{section}:")
+    index = next(i for i in range(start, len(lines)) if lines[i].startswith(f"  # {spec.name}:"))
+    value = parse(lines[index].removeprefix("  # "))[spec.name]
     # An enumerated default is written as its plain string.
     default = spec.default.value if isinstance(spec.default, StrEnum) else spec.default
     assert value == default and type(value) is type(default)
-
-    lines = text.splitlines()
-    start = lines.index(f"{section}:")
-    index = next(i for i in range(start, len(lines)) if lines[i].startswith(f"  {spec.name}:"))
     comment = _comment_above(lines, index)
     assert spec.help in comment
     assert spec.allowed() in comment
 
 
+def test_no_help_line_reads_as_a_commented_out_key():
+    # The line editor uncomments `  # KEY: VALUE` to set a key: a help line of that form
+    # would be taken for one.
+    keys = [line for line in default_yaml().splitlines() if KEY.match(line)]
+    assert len(keys) == len(ALL_SPECS)
+
+
 def test_default_yaml_is_rendered_from_the_schema():
-    assert default_yaml() == settings_to_yaml(Settings()), (
+    assert default_yaml() == settings_file_text(Settings()), (
         "config/default.yaml is out of date; regenerate it with: python -c "
-        '"from kvchat.config import settings_to_yaml, Settings; '
-        "print(settings_to_yaml(Settings()), end='')\" > config/default.yaml"
+        '"from kvchat.config import settings_file_text, Settings; '
+        "print(settings_file_text(Settings()), end='')\" > config/default.yaml"
     )
 
 
-def test_default_yaml_has_no_other_keys():
+def test_default_yaml_sets_no_key_so_every_key_follows_the_defaults():
     data = parse(default_yaml())
-    assert {s: set(v) for s, v in data.items()} == {
-        name: {spec.name for spec in schema_fields(cls)} for name, cls, _ in sections()
-    }
+    assert data == {name: None for name, _, _ in sections()}
 
 
 @pytest.mark.parametrize(("section", "spec"), ALL_SPECS, ids=SPEC_IDS)
@@ -199,10 +206,11 @@ def test_settings_are_frozen():
         s.ui = UISettings()
 
 
-def test_rendered_yaml_lines_fit_the_comment_width():
-    assert max(len(line) for line in settings_to_yaml(Settings()).splitlines()) <= 92
+@pytest.mark.parametrize("render", [settings_file_text, settings_to_yaml])
+def test_rendered_yaml_lines_fit_the_comment_width(render):
+    assert max(len(line) for line in render(Settings()).splitlines()) <= 92
     # Wrapping must not split words such as "end-of-turn" across comment lines.
-    assert not re.search(r"-\n", settings_to_yaml(Settings()))
+    assert not re.search(r"-\n", render(Settings()))
 
 
 def test_kvchat_home_follows_the_environment(monkeypatch, tmp_path):
