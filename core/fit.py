@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 from kvchat.config import AttentionMode, KvType, LongContextSettings
 
-from .plan import MemoryPlan, PlanRefusedError
+from .plan import MemoryPlan, PlanRefusedError, gib
 
 # Most exact first: a fit takes the first type, from the one set on, whose plan fits.
 KV_TYPES = (KvType.FP16, KvType.INT8, KvType.INT4)
@@ -52,8 +52,8 @@ class Fit:
         changes = ", ".join(what[key](value) for key, value in self.changes)
         p = self.plan
         return (
-            f"{changes}: {self.n_tokens:,} tokens then need {_gib(p.total_bytes)} in all "
-            f"(KV cache {_gib(p.kv_bytes)} as {p.kv_type}) of {_gib(p.usable_bytes)} usable"
+            f"{changes}: {self.n_tokens:,} tokens then need {gib(p.total_bytes)} in all "
+            f"(KV cache {gib(p.kv_bytes)} as {p.kv_type}) of {gib(p.usable_bytes)} usable"
         )
 
 
@@ -110,7 +110,3 @@ def _kv_types(lc: LongContextSettings) -> tuple[KvType, ...]:
     if lc.attention == AttentionMode.DENSE:
         return (KvType(lc.kv_type),)
     return KV_TYPES[KV_TYPES.index(KvType(lc.kv_type)) :]
-
-
-def _gib(n: float) -> str:
-    return f"{n / 1024**3:.2f} GiB"

@@ -74,8 +74,8 @@ class MemoryPlan:
 
     def refusal_summary(self) -> str:
         return (
-            f"{self.n_tokens:,} tokens need {_gib(self.needed_bytes)} more memory (KV cache "
-            f"{_gib(self.kv_bytes)} as {self.kv_type}) but only {_gib(self.usable_bytes)} is "
+            f"{self.n_tokens:,} tokens need {gib(self.needed_bytes)} more memory (KV cache "
+            f"{gib(self.kv_bytes)} as {self.kv_type}) but only {gib(self.usable_bytes)} is "
             "usable"
         )
 
@@ -86,7 +86,8 @@ class MemoryPlan:
         )
 
 
-def _gib(n: float) -> str:
+def gib(n: float) -> str:
+    """A byte count as GiB with two decimals, as the plan's messages and tables show it."""
     return f"{n / 1024**3:.2f} GiB"
 
 
@@ -160,11 +161,11 @@ def plan_table(
     available = available_memory()
     lines = [
         f"{cfg.name or cfg.architecture}: {cfg.num_layers} layers, {cfg.num_kv_heads} KV heads x "
-        f"{cfg.head_dim}, weights {_gib(weights_bytes)}, runtime {_gib(runtime_bytes)} "
+        f"{cfg.head_dim}, weights {gib(weights_bytes)}, runtime {gib(runtime_bytes)} "
         f"(interpreter, libraries, tokenizer; in the totals); attention {lc.attention}, "
         f"kv_type {lc.kv_type}, block {lc.block_size}, window {lc.local_windows_len}, "
         f"select {lc.second_select_num}",
-        f"host memory available now: {_gib(available)} (plans may use {USABLE_FRACTION:.0%} of it)",
+        f"host memory available now: {gib(available)} (plans may use {USABLE_FRACTION:.0%} of it)",
         "",
         f"{'tokens':>9} {'KV (DRAM)':>11} {'anchors':>10} {'resident':>10} {'weights':>10} "
         f"{'total':>10}  fits",
@@ -172,8 +173,8 @@ def plan_table(
     for n in PLAN_SIZES:
         p = plan_memory(cfg, lc, n, itemsize, weights_bytes, available, runtime_bytes=runtime_bytes)
         lines.append(
-            f"{n:>9} {_gib(p.kv_bytes):>11} {_gib(p.anchor_bytes):>10} "
-            f"{_gib(p.resident_bytes):>10} {_gib(p.weights_bytes):>10} {_gib(p.total_bytes):>10}  "
+            f"{n:>9} {gib(p.kv_bytes):>11} {gib(p.anchor_bytes):>10} "
+            f"{gib(p.resident_bytes):>10} {gib(p.weights_bytes):>10} {gib(p.total_bytes):>10}  "
             f"{'yes' if p.total_bytes <= available * USABLE_FRACTION else 'NO'}"
         )
     if lc.attention == AttentionMode.SPARSE:
@@ -189,5 +190,5 @@ def plan_table(
                 runtime_bytes=runtime_bytes,
             )
             verdict = "fits" if p.total_bytes <= available * USABLE_FRACTION else "does not fit"
-            lines.append(f"  {kv_type:<5} total {_gib(p.total_bytes):>10}  {verdict}")
+            lines.append(f"  {kv_type:<5} total {gib(p.total_bytes):>10}  {verdict}")
     return "\n".join(lines) + "\n"

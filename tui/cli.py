@@ -32,7 +32,7 @@ from kvchat.core.cancel import Cancelled
 from kvchat.core.documents import DocumentError
 from kvchat.core.errors import USER_ERRORS
 from kvchat.core.folders import skip_summary
-from kvchat.core.plan import PlanRefusedError
+from kvchat.core.plan import PlanRefusedError, gib
 from kvchat.core.snapshot import (
     PrefillReport,
     SnapshotError,
@@ -393,8 +393,8 @@ def _plan_document(engine, paths: Sequence[str]) -> int:
     for kv_type in KvType:
         p = engine.plan_at(replace(lc, kv_type=kv_type, max_seq_len=max(lc.max_seq_len, n)), n)
         print(
-            f"{kv_type:<8} {_gib(p.kv_bytes):>11} {_gib(p.anchor_bytes):>10} "
-            f"{_gib(p.total_bytes):>10}  {'yes' if p.fits else 'NO'}"
+            f"{kv_type:<8} {gib(p.kv_bytes):>11} {gib(p.anchor_bytes):>10} "
+            f"{gib(p.total_bytes):>10}  {'yes' if p.fits else 'NO'}"
         )
     try:
         fit = engine.fit(len(prefix))
@@ -418,10 +418,6 @@ def _plan_document(engine, paths: Sequence[str]) -> int:
         f"({how}, {rate.measured}); longer contexts prefill slower"
     )
     return 0
-
-
-def _gib(n: float) -> str:
-    return f"{n / 1024**3:.2f} GiB"
 
 
 def _duration(seconds: float) -> str:
