@@ -36,7 +36,7 @@ from .cancel import Cancelled
 from .conversation import Conversation
 from .device import configure_threads, resolve_device, resolve_dtype
 from .documents import Document, DocumentTooLongError
-from .fit import Fit, fit_context, largest_context, round_up
+from .fit import Fit, PlanAt, fit_context, largest_context, round_up
 from .memory import (
     GpuMemory,
     available_memory,
@@ -717,23 +717,34 @@ class Engine:
 
     def plan_at(self, lc: LongContextSettings, n_tokens: int) -> MemoryPlan:
         """Memory a context of n_tokens needs with the long-context settings `lc`."""
+        return self.planner()(lc, n_tokens)
+
+    def planner(self) -> PlanAt:
+        """plan_at on the machine as it is now: free memory and the cache held are read once,
+        so a search over many contexts (core/fit.py) plans them all on the same numbers."""
         held = self.session.cache_stats()
-        return plan_memory(
-            self.config,
-            lc,
-            n_tokens,
-            self.model.dtype.itemsize,
-            self.model.nbytes,
-            available_memory(),
-            held.kv_bytes + held.anchor_bytes + held.resident_bytes,
-            self.runtime_bytes,
-        )
+        held_bytes = held.kv_bytes + held.anchor_bytes + held.resident_bytes
+        available = available_memory()
+
+        def plan_at(lc: LongContextSettings, n_tokens: int) -> MemoryPlan:
+            return plan_memory(
+                self.config,
+                lc,
+                n_tokens,
+                self.model.dtype.itemsize,
+                self.model.nbytes,
+                available,
+                held_bytes,
+                self.runtime_bytes,
+            )
+
+        return plan_at
 
     def fit(self, n_prompt: int) -> Fit | None:
         """The settings under which a prompt of n_prompt tokens and its reply fit (core/fit.py):
         None when the current ones hold it; PlanRefusedError when nothing does."""
         n_tokens = n_prompt + self.settings.generation.max_new_tokens
-        return fit_context(self.settings.long_context, n_tokens, self.plan_at)
+        return fit_context(self.settings.long_context, n_tokens, self.planner())
 
     def apply_fit(self, fit: Fit) -> None:
         """Take `fit`'s long-context settings (for this engine; the config file is not
@@ -742,7 +753,7 @@ class Engine:
 
     def _reading_limit(self, fitting: bool) -> int:
         lc = self.settings.long_context
-        return largest_context(lc, self.plan_at) if fitting else lc.max_seq_len
+        return largest_context(lc, self.planner()) if fitting else lc.max_seq_len
 
     def read_document(
         self, *paths: str | Path, stdin: BinaryIO | None = None, fitting: bool = False

@@ -390,8 +390,9 @@ def _plan_document(engine, paths: Sequence[str]) -> int:
         f"chat template and a reply of up to {max_new:,} tokens, a context of {n:,}"
     )
     print(f"\n{'kv_type':<8} {'KV (DRAM)':>11} {'anchors':>10} {'total':>10}  fits")
+    plan_at = engine.planner()
     for kv_type in KvType:
-        p = engine.plan_at(replace(lc, kv_type=kv_type, max_seq_len=max(lc.max_seq_len, n)), n)
+        p = plan_at(replace(lc, kv_type=kv_type, max_seq_len=max(lc.max_seq_len, n)), n)
         print(
             f"{kv_type:<8} {gib(p.kv_bytes):>11} {gib(p.anchor_bytes):>10} "
             f"{gib(p.total_bytes):>10}  {'yes' if p.fits else 'NO'}"
