@@ -221,8 +221,7 @@ def cmd_history(args: argparse.Namespace) -> int:
             )
             for r in rows
         ]
-        # Titles and names come from what the user and documents wrote: shown, one line each.
-        print(_table([tuple(terminal_safe(c).replace("\n", " ") for c in row) for row in table]))
+        print(_table(table))
         print(f"{len(rows)} conversation{'' if len(rows) == 1 else 's'} in {history.path}")
         return 0
     if args.id is None:
@@ -274,7 +273,12 @@ def _row(info: SnapshotInfo) -> tuple[str, ...]:
 
 
 def _table(rows: list[tuple[str, ...]]) -> str:
-    """Columns padded to their widest cell; the second (a count) right-aligned."""
+    """Columns padded to their widest cell; the second (a count) right-aligned.
+
+    Cells hold names and titles that others wrote (model files, documents, the user's
+    chats): each is shown made terminal-safe on one line, never obeyed.
+    """
+    rows = [tuple(terminal_safe(cell).replace("\n", " ") for cell in row) for row in rows]
     widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
     lines = []
     for row in rows:
@@ -305,9 +309,7 @@ def cmd_models(args: argparse.Namespace) -> int:
         )
         for m in models
     ]
-    # Names and notes come from files others wrote: shown, never obeyed, one line each.
-    safe = [tuple(terminal_safe(cell).replace("\n", " ") for cell in row) for row in rows]
-    print(_table([("MODEL", "SIZE", "ARCH", "CONTEXT", "SUPPORTED"), *safe]))
+    print(_table([("MODEL", "SIZE", "ARCH", "CONTEXT", "SUPPORTED"), *rows]))
     print(f"searched the Hugging Face cache {stores['hf_cache']} and Ollama's {stores['ollama']}")
     return 0
 
