@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from textual.pilot import Pilot
@@ -24,6 +25,13 @@ OVERRIDES = [
     "long_context.max_seq_len=8192",
 ]
 NOTE = "The meeting is on Tuesday at the blue house. The blue house is on Elm Street.\n"
+
+
+@pytest.fixture
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A fresh $KVCHAT_HOME, so the app's config, history and snapshots stay in the test."""
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
+    return tmp_path / "home"
 
 
 @pytest.fixture(scope="module")

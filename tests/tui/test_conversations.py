@@ -23,15 +23,9 @@ from kvchat.tui.widgets.chat import STOPPED_MARK
 
 from .conftest import NOTE, messages, notifications, wait_for, wait_idle
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("home")]
 
 QUESTION = "Where is the meeting?"
-
-
-@pytest.fixture(autouse=True)
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from kvchat.tui.widgets.chat import ChatMessage, ChatPane
 
 from .conftest import notifications, wait_idle
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("home")]
 
 # Prefill chunks of 16 tokens: a short question's prompt takes two or more, so a stop
 # between them lands inside the prefill. 1024 tokens: a long question is refused cheaply.
@@ -41,12 +41,6 @@ NO_ANSWER = "\n\n*[no answer]*"  # the mark under a question that got no answer
 def settings() -> Settings:
     """Overrides the shared fixture (tests/tui/conftest.py)."""
     return load_settings(overrides=OVERRIDES).settings
-
-
-@pytest.fixture(autouse=True)
-def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "home"))
-    return tmp_path / "home"
 
 
 class StopsDuringPrefill(KvchatApp):
