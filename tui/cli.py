@@ -44,6 +44,13 @@ from kvchat.core.snapshot import (
 from kvchat.core.sources import STDIN, check_sources
 from kvchat.core.terminal_text import terminal_safe
 from kvchat.native import BuildProgress, build_reports
+from kvchat.server.serve import (
+    API_KEY_ENV,
+    DEFAULT_HOST,
+    DEFAULT_MAX_WAITING,
+    DEFAULT_PORT,
+    ServeError,
+)
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -110,7 +117,6 @@ def _load(args: argparse.Namespace):
 
 
 def cmd_ask(args: argparse.Namespace) -> int:
-    from kvchat.core.conversation import Conversation
     from kvchat.core.engine import Engine
 
     loaded = _load(args)
@@ -126,32 +132,12 @@ def cmd_ask(args: argparse.Namespace) -> int:
         raise DocumentError("no question given: pass it as an argument or on standard input")
     engine = Engine.load(settings, args.model, ProgressLine("load model") if args.verbose else None)
     tokenizer = engine.tokenizer
-    # Read up to what a fit could hold: a refusal then names the exact settings that fit.
-    stdin = None if sys.stdin is None else sys.stdin.buffer
-    doc = engine.read_document(*paths, stdin=stdin, fitting=True)
-    progress = ProgressLine("tokenize") if args.verbose else None
-    ids = engine.encode_document(doc, progress, fitting=True)
-    conversation = Conversation(document_ids=ids, document_name=doc.name)
+    conversation = _read_conversation(engine, paths, args.verbose)
     prompt = conversation.prompt_ids(tokenizer, question)
-    if (fit := engine.fit(len(prompt))) is not None:
-        if not args.fit:
-            raise PlanRefusedError(
-                f"{doc.name}: the prompt and its reply ({fit.n_tokens:,} tokens) do not fit "
-                f"the settings; run again with --fit or add: {fit.flags()}"
-            )
-        engine.apply_fit(fit)
-        print(f"kvchat: fitted the settings: {fit.describe()}", file=sys.stderr)
+    _fit(engine, len(prompt), conversation.document_name, args.fit)
     settings = engine.settings
     engine.check_fits(len(prompt), settings.generation.max_new_tokens)
     session = engine.new_session(conversation)
-    if args.verbose:
-        print(f"kvchat: {engine.compute_summary()}", file=sys.stderr)
-        print(f"{doc.name}: {doc.size_bytes} bytes, {len(ids)} tokens", file=sys.stderr)
-        if doc.files:
-            summary = f"; {skip_summary(doc.skipped)}" if doc.skipped else ""
-            print(f"{doc.name}: {len(doc.files)} files read{summary}", file=sys.stderr)
-        for skipped in doc.skipped:  # names others chose: shown, never obeyed
-            print(f"skipped {terminal_safe(skipped.path)} ({skipped.reason})", file=sys.stderr)
     cancel = threading.Event()
     try:
         report = session.prefill_document(
@@ -178,6 +164,73 @@ def cmd_ask(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from kvchat.core.conversation import Conversation
+    from kvchat.core.engine import Engine
+    from kvchat.server.serve import bind, check_address, serve
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    check_address(args.host, api_key)  # refused before the model loads
+    paths = args.document or []
+    check_sources(paths)
+    loaded = _load(args)
+    for warning in loaded.warnings:
+        print(f"kvchat: warning: {warning}", file=sys.stderr)
+    sock = bind(args.host, args.port)
+    engine = Engine.load(loaded.settings, args.model, ProgressLine("load model"))
+    conversation = Conversation()
+    if paths:
+        conversation = _read_conversation(engine, paths, verbose=True)
+        prefix = conversation.document_prefix_ids(engine.tokenizer)
+        _fit(engine, len(prefix), conversation.document_name, args.fit)
+        engine.check_fits(len(prefix), engine.settings.generation.max_new_tokens)
+        session = engine.new_session(conversation)
+        _print_prefill_report(session.prefill_document(prefix, ProgressLine("prefill")))
+    print(f"kvchat: {engine.compute_summary()}", file=sys.stderr)
+    model_name = args.model or engine.settings.model.path
+
+    def ready(url: str) -> None:
+        key = "; clients send Authorization: Bearer KEY" if api_key else ""
+        print(f"kvchat: serving {model_name} on {url} (OpenAI-compatible){key}", flush=True)
+
+    serve(engine, conversation, model_name, sock, api_key, args.queue_size, ready)
+    return 0
+
+
+def _read_conversation(engine, paths: Sequence[str], verbose: bool):
+    """A conversation over the document at `paths` (read up to what a fit could hold: a
+    refusal then names the exact settings that fit)."""
+    from kvchat.core.conversation import Conversation
+
+    stdin = None if sys.stdin is None else sys.stdin.buffer
+    doc = engine.read_document(*paths, stdin=stdin, fitting=True)
+    progress = ProgressLine("tokenize") if verbose else None
+    ids = engine.encode_document(doc, progress, fitting=True)
+    if verbose:
+        print(f"kvchat: {engine.compute_summary()}", file=sys.stderr)
+        print(f"{doc.name}: {doc.size_bytes} bytes, {len(ids)} tokens", file=sys.stderr)
+        if doc.files:
+            summary = f"; {skip_summary(doc.skipped)}" if doc.skipped else ""
+            print(f"{doc.name}: {len(doc.files)} files read{summary}", file=sys.stderr)
+        for skipped in doc.skipped:  # names others chose: shown, never obeyed
+            print(f"skipped {terminal_safe(skipped.path)} ({skipped.reason})", file=sys.stderr)
+    return Conversation(document_ids=ids, document_name=doc.name)
+
+
+def _fit(engine, n_prompt: int, name: str | None, apply: bool) -> None:
+    """Make the settings hold a prompt of `n_prompt` tokens and its reply: with `apply`, by
+    the fit (core/fit.py); otherwise refuse, naming the --set options that fit."""
+    if (fit := engine.fit(n_prompt)) is None:
+        return
+    if not apply:
+        raise PlanRefusedError(
+            f"{name}: the prompt and its reply ({fit.n_tokens:,} tokens) do not fit "
+            f"the settings; run again with --fit or add: {fit.flags()}"
+        )
+    engine.apply_fit(fit)
+    print(f"kvchat: fitted the settings: {fit.describe()}", file=sys.stderr)
 
 
 def _print_prefill_report(report: PrefillReport) -> None:
@@ -465,6 +518,16 @@ def _parse_baselines(text: str) -> list:
         ) from None
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port from 0 to 65535, got {text!r}")
+    return port
+
+
 def _positive(text: str) -> int:
     try:
         value = int(text)
@@ -688,6 +751,45 @@ def build_parser() -> argparse.ArgumentParser:
     ask.add_argument("question", nargs="?", help="the question (default: read from stdin)")
     ask.set_defaults(func=cmd_ask)
 
+    serve = sub.add_parser(
+        "serve",
+        parents=[common],
+        help="the engine behind an OpenAI-compatible HTTP API (/v1/chat/completions, ...)",
+    )
+    serve.add_argument(
+        "--host", default=DEFAULT_HOST, help="address to listen on (default: %(default)s)"
+    )
+    serve.add_argument(
+        "--port", type=_port, default=DEFAULT_PORT, help="port (default: %(default)s; 0: any)"
+    )
+    serve.add_argument(
+        "--document",
+        action="append",
+        metavar="PATH",
+        help="a document every chat request is about, prefilled once at start: a file, a "
+        "folder, - for standard input (repeatable: read as one document)",
+    )
+    serve.add_argument(
+        "--api-key",
+        metavar="KEY",
+        help=f"require Authorization: Bearer KEY (default: ${API_KEY_ENV}); needed to listen on "
+        "an address other machines can reach",
+    )
+    serve.add_argument(
+        "--queue-size",
+        type=_positive,
+        default=DEFAULT_MAX_WAITING,
+        help="requests that may wait for the engine; more are refused with 503 "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--fit",
+        action="store_true",
+        help="when the document does not fit the settings, apply the settings that fit (as "
+        "kvchat ask --fit)",
+    )
+    serve.set_defaults(func=cmd_serve)
+
     config = sub.add_parser(
         "config",
         parents=[common],
@@ -862,7 +964,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run(args)
         with build_reports(BuildLine()):
             return run(args)
-    except USER_ERRORS as e:
+    except (*USER_ERRORS, ServeError) as e:
         print(f"kvchat: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     except (Cancelled, KeyboardInterrupt):

@@ -1,0 +1,1 @@
+"""`kvchat serve`: the engine behind an OpenAI-compatible HTTP API."""

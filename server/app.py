@@ -1,0 +1,314 @@
+"""The OpenAI-compatible HTTP API over one engine (Starlette, served by uvicorn).
+
+Starlette is the ASGI toolkit FastAPI is built on; kvchat needs its routing, streaming
+responses and disconnect detection, and checks its few request bodies itself
+(server/requests.py), so the smaller dependency serves. Routes:
+
+- GET /health, GET /v1/models
+- POST /v1/chat/completions, POST /v1/completions: streamed as server-sent events or whole
+- GET /v1/kvchat/stats: kvchat's extension, the engine's statistics and the queue
+
+A streamed reply carries the request's queue position and prompt-processing progress as
+SSE comment lines (`: ...`), which every SSE client skips; with `"return_progress": true`
+also as chunks with empty `choices` and a `prompt_progress` object, as llama-server sends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from kvchat.core.conversation import Conversation
+from kvchat.core.errors import USER_ERRORS
+
+from .requests import ApiError, Sampling, chat_request, completion_request, parse_json
+from .worker import Done, EngineWorker, Event, Failed, Job, Progress, Queued, QueueFullError, Text
+
+Handler = Callable[[Request], Awaitable[Response]]
+# How often a whole (unstreamed) reply checks whether its client is still there.
+_DISCONNECT_POLL_S = 0.25
+
+
+class KvchatApi:
+    """The routes, over `worker`'s engine; `document` is the conversation every chat request
+    continues (its document prefix, when the server was given documents)."""
+
+    def __init__(
+        self,
+        worker: EngineWorker,
+        model_name: str,
+        document: Conversation,
+        api_key: str | None,
+    ) -> None:
+        self.worker, self.model_name, self.document, self.api_key = (
+            worker,
+            model_name,
+            document,
+            api_key,
+        )
+        self.created = int(time.time())
+
+    def app(self) -> Starlette:
+        routes = [
+            Route("/health", self.health, methods=["GET"]),
+            Route("/v1/models", self._guard(self.models), methods=["GET"]),
+            Route("/v1/chat/completions", self._guard(self.chat), methods=["POST"]),
+            Route("/v1/completions", self._guard(self.completions), methods=["POST"]),
+            Route("/v1/kvchat/stats", self._guard(self.stats), methods=["GET"]),
+        ]
+        return Starlette(routes=routes, exception_handlers={HTTPException: _http_error})
+
+    def _guard(self, handler: Handler) -> Handler:
+        async def guarded(request: Request) -> Response:
+            try:
+                if self.api_key is not None:
+                    given = request.headers.get("authorization", "")
+                    expected = f"Bearer {self.api_key}"
+                    if not hmac.compare_digest(given.encode(), expected.encode()):
+                        raise ApiError(
+                            401,
+                            "invalid or missing API key (Authorization: Bearer KEY)",
+                            kind="authentication_error",
+                            code="invalid_api_key",
+                        )
+                return await handler(request)
+            except ApiError as e:
+                return JSONResponse(e.body(), status_code=e.status)
+
+        return guarded
+
+    async def health(self, request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def models(self, request: Request) -> Response:
+        model = {
+            "id": self.model_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "kvchat",
+        }
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def stats(self, request: Request) -> Response:
+        engine = dataclasses.asdict(self.worker.engine.stats())
+        body = {
+            "model": self.model_name,
+            "queue": self.worker.queue_state(),
+            "last_request": self.worker.last,
+            "document_tokens": len(self.document.document_ids),
+            "engine": engine,
+        }
+        return JSONResponse(json.loads(json.dumps(body, default=str)))
+
+    async def chat(self, request: Request) -> Response:
+        body = parse_json(await request.body())
+        req = chat_request(body, self.worker.engine.settings.generation)
+        conversation = dataclasses.replace(
+            self.document, system=req.system or self.document.system, messages=req.turns
+        )
+        tokenizer = self.worker.engine.tokenizer
+        ids = await self._prompt(
+            lambda: conversation.prompt_ids(tokenizer, req.question), req.sampling
+        )
+        return await self._respond(request, ids, req.sampling, _ChatShape(self.model_name))
+
+    async def completions(self, request: Request) -> Response:
+        body = parse_json(await request.body())
+        req = completion_request(body, self.worker.engine.settings.generation)
+        tokenizer = self.worker.engine.tokenizer
+        ids = await self._prompt(lambda: tokenizer.encode(req.prompt), req.sampling)
+        return await self._respond(request, ids, req.sampling, _CompletionShape(self.model_name))
+
+    async def _prompt(self, encode: Callable[[], list[int]], sampling: Sampling) -> list[int]:
+        """The prompt's ids, refused (400, with the plan's numbers) when the settings or the
+        memory cannot hold it and its reply."""
+        engine = self.worker.engine
+
+        def checked() -> list[int]:
+            ids = encode()
+            engine.check_fits(len(ids), sampling.params.max_new_tokens)
+            return ids
+
+        try:
+            return await run_in_threadpool(checked)
+        except USER_ERRORS as e:
+            raise ApiError(400, str(e), code="context_length_exceeded") from None
+
+    async def _respond(
+        self, request: Request, ids: list[int], sampling: Sampling, shape: _Shape
+    ) -> Response:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[Event] = asyncio.Queue()
+        job = Job(
+            ids,
+            sampling.params,
+            sampling.stop,
+            lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
+        )
+        try:
+            self.worker.submit(job)
+        except QueueFullError as e:
+            raise ApiError(503, str(e), kind="server_error", code="queue_full") from None
+        if sampling.stream:
+            return StreamingResponse(
+                _stream(job, events, sampling, shape),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        return await _whole(request, job, events, shape)
+
+
+class _Shape:
+    """The JSON of one endpoint's replies (chat.completion or text_completion)."""
+
+    def __init__(self, model: str, prefix: str, whole_object: str, chunk_object: str) -> None:
+        self.id = f"{prefix}-{uuid.uuid4().hex[:24]}"
+        self.model, self.created = model, int(time.time())
+        self.whole_object, self.chunk_object = whole_object, chunk_object
+
+    def envelope(self, obj: str, **fields: Any) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            **fields,
+        }
+
+    def first_chunk(self) -> dict[str, Any] | None:
+        return None
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def whole(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+class _ChatShape(_Shape):
+    def __init__(self, model: str) -> None:
+        super().__init__(model, "chatcmpl", "chat.completion", "chat.completion.chunk")
+
+    def first_chunk(self) -> dict[str, Any]:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+        return self.envelope(self.chunk_object, choices=[choice])
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        delta = {"content": text} if text else {}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish_reason}
+        return self.envelope(self.chunk_object, choices=[choice])
+
+    def whole(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+        message = {"role": "assistant", "content": text}
+        choice = {"index": 0, "message": message, "finish_reason": finish_reason}
+        return self.envelope(self.whole_object, choices=[choice], usage=usage)
+
+
+class _CompletionShape(_Shape):
+    def __init__(self, model: str) -> None:
+        super().__init__(model, "cmpl", "text_completion", "text_completion")
+
+    def chunk(self, text: str, finish_reason: str | None) -> dict[str, Any]:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return self.envelope(self.chunk_object, choices=[choice])
+
+    def whole(self, text: str, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+        return {**self.chunk(text, finish_reason), "usage": usage}
+
+
+def _usage(done: Done) -> dict[str, Any]:
+    return {
+        "prompt_tokens": done.prompt_tokens,
+        "completion_tokens": done.completion_tokens,
+        "total_tokens": done.prompt_tokens + done.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": done.cached_tokens},
+    }
+
+
+def _data(obj: dict[str, Any] | str) -> str:
+    return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+async def _stream(
+    job: Job, events: asyncio.Queue[Event], sampling: Sampling, shape: _Shape
+) -> AsyncIterator[str]:
+    """The reply as server-sent events. Leaving early (the client closed the connection)
+    cancels the job: the engine stops within a prefill chunk or a token."""
+    try:
+        if (first := shape.first_chunk()) is not None:
+            yield _data(first)
+        while True:
+            event = await events.get()
+            if isinstance(event, Queued):
+                yield f": queued, {event.ahead} ahead\n\n"
+            elif isinstance(event, Progress):
+                yield f": prompt {event.processed}/{event.total} ({event.cached} cached)\n\n"
+                if sampling.return_progress:
+                    progress = dataclasses.asdict(event)
+                    yield _data(
+                        shape.envelope(shape.chunk_object, choices=[], prompt_progress=progress)
+                    )
+            elif isinstance(event, Text):
+                yield _data(shape.chunk(event.text, None))
+            elif isinstance(event, Done):
+                yield _data(shape.chunk("", event.finish_reason))
+                if sampling.include_usage:
+                    usage = _usage(event)
+                    yield _data(shape.envelope(shape.chunk_object, choices=[], usage=usage))
+                yield _data("[DONE]")
+                return
+            else:
+                assert isinstance(event, Failed)
+                yield _data(_failure(event).body())
+                return
+    finally:
+        job.cancel.set()  # nothing to stop once the job is done
+
+
+async def _whole(
+    request: Request, job: Job, events: asyncio.Queue[Event], shape: _Shape
+) -> Response:
+    """The reply in one JSON body; a client that closes the connection first cancels the job."""
+    pieces: list[str] = []
+    try:
+        while True:
+            getting = asyncio.ensure_future(events.get())
+            while not (await asyncio.wait({getting}, timeout=_DISCONNECT_POLL_S))[0]:
+                if await request.is_disconnected():
+                    getting.cancel()
+                    return Response(status_code=499)  # nobody reads it
+            event = getting.result()
+            if isinstance(event, Text):
+                pieces.append(event.text)
+            elif isinstance(event, Done):
+                body = shape.whole("".join(pieces), event.finish_reason, _usage(event))
+                return JSONResponse(body)
+            elif isinstance(event, Failed):
+                return JSONResponse(_failure(event).body(), status_code=event.status)
+    finally:
+        job.cancel.set()
+
+
+def _failure(event: Failed) -> ApiError:
+    kind = "invalid_request_error" if event.status < 500 else "server_error"
+    return ApiError(event.status, event.message, kind=kind)
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (404, 405) in the OpenAI error shape."""
+    assert isinstance(exc, HTTPException)
+    error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
+    return JSONResponse(error.body(), status_code=exc.status_code)

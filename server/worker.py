@@ -1,0 +1,219 @@
+"""The engine thread: requests are served one at a time, in order, from a bounded queue.
+
+One Engine and its one Session serve every request, so a request whose prompt starts with
+tokens the cache holds (the same document, an earlier turn) prefills only the rest
+(Session.sync; a matching snapshot on disk when the cache holds less). A job reports what
+happens to it through `emit`, called on this thread: its place in the queue, prefill
+progress, text, and the end. Setting its `cancel` event (the client went away) stops the
+engine within a prefill chunk or a decoded token.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvchat.config import GenerationSettings
+from kvchat.core.cancel import Cancelled
+from kvchat.core.engine import Engine
+from kvchat.core.errors import USER_ERRORS
+
+
+@dataclass(frozen=True)
+class Queued:
+    ahead: int  # requests before this one, the running one included
+
+
+@dataclass(frozen=True)
+class Progress:
+    processed: int  # prompt tokens prefilled so far
+    total: int  # prompt tokens to prefill (those not cached)
+    cached: int  # prompt tokens the cache already held
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    finish_reason: str  # "stop" (end of turn or a stop string) or "length"
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+@dataclass(frozen=True)
+class Failed:
+    status: int
+    message: str
+
+
+Event = Queued | Progress | Text | Done | Failed
+
+
+@dataclass(eq=False)
+class Job:
+    prompt: list[int]
+    params: GenerationSettings
+    stop: tuple[str, ...]
+    emit: Callable[[Event], None]
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class QueueFullError(Exception):
+    pass
+
+
+class StopScanner:
+    """Text released as it is generated, holding back only what may begin a stop string: the
+    text before the first stop string is all a client sees."""
+
+    def __init__(self, stops: tuple[str, ...]) -> None:
+        self.stops = stops
+        self.held = ""
+        self.stopped = False
+
+    def push(self, text: str) -> str:
+        if not self.stops:
+            return text
+        self.held += text
+        found = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        if found:
+            self.stopped = True
+            out, self.held = self.held[: min(found)], ""
+            return out
+        keep = max(
+            (n for s in self.stops for n in range(1, len(s)) if self.held.endswith(s[:n])),
+            default=0,
+        )
+        out = self.held[: len(self.held) - keep]
+        self.held = self.held[len(out) :]
+        return out
+
+    def flush(self) -> str:
+        out, self.held = self.held, ""
+        return out
+
+
+class EngineWorker:
+    """The thread that owns the engine. `submit` queues a job (QueueFullError past
+    `max_waiting`); the thread runs jobs in order until `close`."""
+
+    def __init__(self, engine: Engine, max_waiting: int) -> None:
+        self.engine = engine
+        self.max_waiting = max_waiting
+        self._waiting: deque[Job] = deque()
+        self._running: Job | None = None
+        self._lock = threading.Condition()
+        self._closed = False
+        self.served = 0
+        self.last: dict[str, Any] | None = None  # how the last request ended, for the stats
+        self._thread = threading.Thread(target=self._run, name="kvchat-engine", daemon=True)
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        with self._lock:
+            if len(self._waiting) >= self.max_waiting:
+                raise QueueFullError(
+                    f"the server is busy: {len(self._waiting)} requests are waiting "
+                    f"(at most {self.max_waiting}); try again shortly"
+                )
+            self._waiting.append(job)
+            job.emit(Queued(len(self._waiting) - 1 + (self._running is not None)))
+            self._lock.notify()
+
+    def queue_state(self) -> dict[str, int | bool]:
+        with self._lock:
+            return {
+                "running": self._running is not None,
+                "waiting": len(self._waiting),
+                "max_waiting": self.max_waiting,
+                "served": self.served,
+            }
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            for job in (*self._waiting, *filter(None, [self._running])):
+                job.cancel.set()
+            self._lock.notify()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            with self._lock:
+                while not self._waiting and not self._closed:
+                    self._lock.wait()
+                if self._closed:
+                    return
+                job = self._running = self._waiting.popleft()
+                for ahead, waiting in enumerate(self._waiting, 1):
+                    waiting.emit(Queued(ahead))
+            try:
+                self._serve(job)
+            finally:
+                with self._lock:
+                    self._running = None
+                    self.served += 1
+
+    def _serve(self, job: Job) -> None:
+        started = time.monotonic()
+        outcome: dict[str, Any] = {"prompt_tokens": len(job.prompt), "completion_tokens": 0}
+        try:
+            if job.cancel.is_set():
+                raise Cancelled("the client left before its turn")
+            done = self._generate(job, outcome)
+            outcome["status"] = done.finish_reason
+            job.emit(done)
+        except Cancelled:
+            outcome["status"] = "cancelled"
+        except USER_ERRORS as e:
+            outcome["status"] = "refused"
+            job.emit(Failed(400, str(e)))
+        except Exception as e:  # the request fails; the server goes on serving
+            outcome["status"] = "failed"
+            job.emit(Failed(500, f"the engine failed: {type(e).__name__}: {e}"))
+        outcome["seconds"] = round(time.monotonic() - started, 3)
+        self.last = outcome
+
+    def _generate(self, job: Job, outcome: dict[str, Any]) -> Done:
+        engine, session = self.engine, self.engine.session
+        params, ids = job.params, job.prompt
+        engine.check_fits(len(ids), params.max_new_tokens)
+        session.prepare(len(ids) + params.max_new_tokens)
+
+        def progress(processed: int, total: int) -> None:
+            job.emit(Progress(processed, total, len(ids) - total))
+
+        prefilled = session.sync(ids, progress, job.cancel)
+        cached = len(ids) - prefilled
+        if job.cancel.is_set():
+            raise Cancelled("cancelled after the prefill")
+        decoder = engine.tokenizer.stream_decoder()
+        eos = set(engine.tokenizer.eos_ids)
+        scanner = StopScanner(job.stop)
+        finish = "length"
+        n = 0
+        for token in session.generate(params, job.cancel):
+            if token in eos:
+                finish = "stop"
+                break
+            n += 1
+            outcome["completion_tokens"] = n
+            text = scanner.push(decoder.push(token))
+            if text:
+                job.emit(Text(text))
+            if scanner.stopped:
+                finish = "stop"
+                break
+        if job.cancel.is_set():
+            raise Cancelled("cancelled while generating")
+        if not scanner.stopped and (rest := scanner.push(decoder.flush()) + scanner.flush()):
+            job.emit(Text(rest))
+        return Done(finish, len(ids), n, cached)

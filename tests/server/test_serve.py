@@ -1,0 +1,266 @@
+"""`kvchat serve` as a client meets it: the real server in a subprocess on a loopback port, the
+real SmolLM2 behind it, driven by the official `openai` client and by raw HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx2 as httpx
+import openai
+import pytest
+
+from kvchat.config import load_settings
+from kvchat.core.conversation import Conversation
+from kvchat.core.engine import Engine
+
+SAMPLE_REPO = Path(__file__).parents[1] / "fixtures" / "sample-repo"
+KEY = "test-key-123"
+MAX_NEW = 24
+OVERRIDES = [f"generation.max_new_tokens={MAX_NEW}", "long_context.max_seq_len=4096"]
+QUESTION = "Who is the head keeper in src/keeper.py?"
+
+
+class Server:
+    def __init__(self, process: subprocess.Popen, url: str, log: Path) -> None:
+        self.process, self.url, self.log = process, url, log
+
+    def client(self, key: str = KEY) -> openai.OpenAI:
+        return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=120)
+
+    def http(self) -> httpx.Client:
+        return httpx.Client(headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+
+    def stats(self) -> dict:
+        with self.http() as http:
+            return http.get(f"{self.url}/kvchat/stats").raise_for_status().json()
+
+
+def start_server(tmp: Path, *args: str) -> Server:
+    """`kvchat serve` on a free loopback port; returns once it accepts requests."""
+    log = tmp / "server.log"
+    argv = [sys.executable, "-m", "kvchat.tui.cli", "serve", "--port", "0", "--api-key", KEY]
+    for override in OVERRIDES:
+        argv += ["--set", override]
+    process = subprocess.Popen(
+        [*argv, *args],
+        stdout=subprocess.PIPE,
+        stderr=log.open("w"),
+        text=True,
+        env=os.environ | {"KVCHAT_HOME": str(tmp / "home")},
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()  # the one line it prints, once it listens
+    if "serving" not in line:
+        process.kill()
+        pytest.fail(f"the server did not start: {line!r}\n{log.read_text()}")
+    url = line.split(" on ")[1].split()[0]
+    return Server(process, url, log)
+
+
+def stop_server(server: Server) -> None:
+    server.process.terminate()
+    try:
+        server.process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        server.process.kill()
+        raise
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("serve")
+    served = start_server(tmp, "--document", str(SAMPLE_REPO), "--queue-size", "1")
+    yield served
+    stop_server(served)
+
+
+@pytest.fixture(scope="module")
+def expected() -> tuple[str, int, int]:
+    """The engine's own greedy answer to QUESTION over the sample repo, as `kvchat ask` gives
+    it: (text, prompt tokens, document prefix tokens)."""
+    engine = Engine.load(load_settings(overrides=OVERRIDES).settings)
+    doc = engine.read_document(SAMPLE_REPO)
+    conversation = Conversation(document_ids=engine.encode_document(doc), document_name=doc.name)
+    session = engine.new_session(conversation)
+    prefix = conversation.document_prefix_ids(engine.tokenizer)
+    session.prefill_document(prefix)
+    prompt = conversation.prompt_ids(engine.tokenizer, QUESTION)
+    return "".join(session.ask(QUESTION)), len(prompt), len(prefix)
+
+
+def test_chat_answers_equal_the_engines_own_greedy_answer(server, expected):
+    text, n_prompt, n_prefix = expected
+    client = server.client()
+    messages = [{"role": "user", "content": QUESTION}]
+    whole = client.chat.completions.create(model="smollm2-135m", messages=messages)
+    assert whole.choices[0].message.content == text
+    assert whole.usage.prompt_tokens == n_prompt
+    # The document was prefilled at start: only the question is new.
+    assert whole.usage.prompt_tokens_details.cached_tokens >= n_prefix
+
+    stream = client.chat.completions.create(
+        model="smollm2-135m",
+        messages=messages,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    pieces = [c.choices[0].delta.content or "" for c in chunks if c.choices]
+    assert "".join(pieces) == text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[
+        0
+    ].finish_reason
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (
+        n_prompt,
+        whole.usage.completion_tokens,
+    )
+    # The same prompt again: the cache held all of it but the last token.
+    assert usage.prompt_tokens_details.cached_tokens == n_prompt - 1
+
+
+def test_a_follow_up_turn_prefills_only_its_new_tokens(server, expected):
+    text, n_prompt, _ = expected
+    client = server.client()
+    first = [{"role": "user", "content": QUESTION}]
+    reply = client.chat.completions.create(model="m", messages=first)
+    follow = [
+        *first,
+        {"role": "assistant", "content": reply.choices[0].message.content},
+        {"role": "user", "content": "And who keeps the lamp?"},
+    ]
+    second = client.chat.completions.create(model="m", messages=follow)
+    new = second.usage.prompt_tokens - second.usage.prompt_tokens_details.cached_tokens
+    assert second.usage.prompt_tokens > n_prompt
+    assert new < 40  # the reply and the new question, not the document again
+    last = server.stats()["last_request"]
+    assert last["status"] in ("stop", "length")
+    assert last["prompt_tokens"] == second.usage.prompt_tokens
+
+
+def test_completions_stream_and_whole_agree(server):
+    client = server.client()
+    prompt = "The lighthouse keeper climbed the stairs and"
+    whole = client.completions.create(model="m", prompt=prompt, max_tokens=12)
+    assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
+    streamed = client.completions.create(model="m", prompt=prompt, max_tokens=12, stream=True)
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+
+
+def test_stop_strings_end_the_reply_before_them(server):
+    client = server.client()
+    prompt = "1, 2, 3, 4, 5,"
+    whole = client.completions.create(model="m", prompt=prompt, max_tokens=20)
+    text = whole.choices[0].text
+    assert " 8," in text  # the model counts on
+    stopped = client.completions.create(model="m", prompt=prompt, max_tokens=20, stop=[" 8,"])
+    assert stopped.choices[0].text == text[: text.index(" 8,")]
+    assert stopped.choices[0].finish_reason == "stop"
+
+
+def test_a_client_that_disconnects_stops_the_generation(server):
+    served = server.stats()["queue"]["served"]
+    body = {"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 3000, "stream": True}
+    with server.http() as http:
+        with http.stream("POST", f"{server.url}/completions", json=body) as response:
+            assert response.status_code == 200
+            texts = 0
+            for line in response.iter_lines():
+                texts += line.startswith("data: ")
+                if texts == 5:
+                    break  # leaving the block closes the connection
+    deadline = time.monotonic() + 30
+    while (stats := server.stats())["queue"]["served"] == served:
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+    last = stats["last_request"]
+    assert last["status"] == "cancelled"
+    assert 5 <= last["completion_tokens"] < 1000
+
+
+def test_a_full_queue_is_refused_with_503_and_positions_are_reported(server):
+    long = {"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 3000, "stream": True}
+    with server.http() as a, server.http() as b, server.http() as c:
+        with a.stream("POST", f"{server.url}/completions", json=long) as running:
+            lines = running.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))  # it runs
+            with b.stream("POST", f"{server.url}/completions", json=long) as waiting:
+                assert next(waiting.iter_lines()) == ": queued, 1 ahead"
+                refused = c.post(f"{server.url}/completions", json={**long, "stream": False})
+                assert refused.status_code == 503
+                assert refused.json()["error"]["code"] == "queue_full"
+    # Both streams closed: the server serves again.
+    assert server.client().completions.create(model="m", prompt="Hi", max_tokens=2).choices
+
+
+ASK = [{"role": "user", "content": "x"}]
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        (b"{not json", None),
+        ([1, 2], None),
+        ({"model": "m"}, "messages"),
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
+        ({"messages": [{"role": "assistant", "content": "x"}]}, "messages"),
+        ({"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"messages": ASK, "temperature": "hot"}, "temperature"),
+        ({"messages": ASK, "max_tokens": 0}, "max_tokens"),
+        ({"messages": ASK, "n": 2}, "n"),
+        ({"messages": ASK, "stop": [""]}, "stop"),
+    ],
+)
+def test_bad_requests_get_400_in_the_openai_shape(server, body, param):
+    with server.http() as http:
+        content = body if isinstance(body, bytes) else json.dumps(body).encode()
+        response = http.post(f"{server.url}/chat/completions", content=content)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["message"]
+    assert error["param"] == param
+
+
+def test_a_prompt_over_the_plan_gets_400_with_its_numbers(server):
+    with pytest.raises(openai.BadRequestError) as raised:
+        server.client().completions.create(model="m", prompt="word " * 5000, max_tokens=8)
+    error = raised.value.body
+    assert error["code"] == "context_length_exceeded"
+    assert "max_seq_len is 4096" in error["message"]
+
+
+def test_unknown_routes_and_methods_answer_in_the_openai_shape(server):
+    with server.http() as http:
+        missing = http.get(f"{server.url}/embeddings")
+        wrong = http.get(f"{server.url}/chat/completions")
+    assert missing.status_code == 404 and "error" in missing.json()
+    assert wrong.status_code == 405 and "error" in wrong.json()
+
+
+def test_the_api_key_is_enforced(server):
+    with pytest.raises(openai.AuthenticationError):
+        server.client(key="wrong").models.list()
+    with httpx.Client() as http:
+        assert http.get(f"{server.url}/models").status_code == 401
+        assert http.get(server.url.removesuffix("/v1") + "/health").json() == {"status": "ok"}
+    assert [m.id for m in server.client().models.list()] == ["smollm2-135m"]
+
+
+def test_listening_beyond_loopback_needs_an_api_key(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "kvchat.tui.cli", "serve", "--host", "0.0.0.0"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k != "KVCHAT_API_KEY"}
+        | {"KVCHAT_HOME": str(tmp_path)},
+    )
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "--api-key" in done.stderr
