@@ -10,12 +10,14 @@ from kvchat.config import Settings
 from .baselines import BaselineMissingError, BaselineName
 from .gpu import GpuRequiredError
 from .prose import ProseMissingError
+from .serve_load import ServerStartError
 
 # Bad input or an unsuitable machine for a benchmark: one line and exit code 2.
 BENCH_ERRORS: tuple[type[Exception], ...] = (
     BaselineMissingError,
     GpuRequiredError,
     ProseMissingError,
+    ServerStartError,
 )
 
 
@@ -75,6 +77,18 @@ def run_bench(
             on_progress=on_prefill,
             seed=args.seed,
         )
+    if args.what == "serve":
+        from .serve_load import run_serve_bench, summary
+
+        server_args = [f"--set={o}" for o in args.set or []]
+        if args.config:
+            server_args.append(f"--config={args.config}")
+        if args.model:
+            server_args.append(f"--model={args.model}")
+        result = run_serve_bench(server_args, args.clients, args.decode_tokens, log)
+        for line in summary(result):
+            log(line)
+        return result
     if args.what == "gpu":
         from .gpu import run_gpu_bench
 

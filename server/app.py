@@ -103,13 +103,24 @@ class KvchatApi:
         return JSONResponse({"object": "list", "data": [model]})
 
     async def stats(self, request: Request) -> Response:
-        engine = dataclasses.asdict(self.worker.engine.stats())
+        engine = self.worker.engine
+        stats = engine.stats()
+        # What the process should stay under: at the context held (and a reply), and at the
+        # largest one the settings allow.
+        context = stats.context_tokens + engine.settings.generation.max_new_tokens
+        plans = {
+            "context_tokens": context,
+            "context_total_bytes": engine.plan(context).total_bytes,
+            "max_seq_len": stats.max_seq_len,
+            "max_seq_len_total_bytes": engine.plan(stats.max_seq_len).total_bytes,
+        }
         body = {
             "model": self.model_name,
             "queue": self.worker.queue_state(),
             "last_request": self.worker.last,
             "document_tokens": len(self.document.document_ids),
-            "engine": engine,
+            "plan": plans,
+            "engine": dataclasses.asdict(stats),
         }
         return JSONResponse(json.loads(json.dumps(body, default=str)))
 

@@ -174,7 +174,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
     check_address(args.host, api_key)  # refused before the model loads
     paths = args.document or []
-    check_sources(paths)
+    if paths:
+        check_sources(paths)
     loaded = _load(args)
     for warning in loaded.warnings:
         print(f"kvchat: warning: {warning}", file=sys.stderr)
@@ -826,7 +827,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.set_defaults(func=cmd_plan)
 
     bench = sub.add_parser("bench", parents=[common], help="benchmarks that print numbers and JSON")
-    bench.add_argument("what", choices=["speed", "tokenize", "passkey", "niah", "gpu", "snapshot"])
+    bench.add_argument(
+        "what", choices=["speed", "tokenize", "passkey", "niah", "gpu", "snapshot", "serve"]
+    )
     bench.add_argument(
         "--contexts",
         type=_parse_contexts,
@@ -834,7 +837,16 @@ def build_parser() -> argparse.ArgumentParser:
         help="context sizes for `speed` (default 1k,4k,8k) and `gpu` (default 32k,128k,1024k)",
     )
     bench.add_argument(
-        "--decode-tokens", type=_positive, default=32, help="tokens decoded per context"
+        "--decode-tokens",
+        type=_positive,
+        default=32,
+        help="tokens decoded per context (`serve`: max_tokens of each request)",
+    )
+    bench.add_argument(
+        "--clients",
+        type=_positive,
+        default=20,
+        help="`serve`: clients that ask at once (default: %(default)s)",
     )
     bench.add_argument(
         "--baseline",

@@ -15,6 +15,7 @@ import httpx2 as httpx
 import openai
 import pytest
 
+from kvchat.bench.serve_load import ServerProcess, start_server
 from kvchat.config import load_settings
 from kvchat.core.conversation import Conversation
 from kvchat.core.engine import Engine
@@ -27,8 +28,8 @@ QUESTION = "Who is the head keeper in src/keeper.py?"
 
 
 class Server:
-    def __init__(self, process: subprocess.Popen, url: str, log: Path) -> None:
-        self.process, self.url, self.log = process, url, log
+    def __init__(self, served: ServerProcess) -> None:
+        self.served, self.url = served, served.url
 
     def client(self, key: str = KEY) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=120)
@@ -41,43 +42,16 @@ class Server:
             return http.get(f"{self.url}/kvchat/stats").raise_for_status().json()
 
 
-def start_server(tmp: Path, *args: str) -> Server:
-    """`kvchat serve` on a free loopback port; returns once it accepts requests."""
-    log = tmp / "server.log"
-    argv = [sys.executable, "-m", "kvchat.tui.cli", "serve", "--port", "0", "--api-key", KEY]
-    for override in OVERRIDES:
-        argv += ["--set", override]
-    process = subprocess.Popen(
-        [*argv, *args],
-        stdout=subprocess.PIPE,
-        stderr=log.open("w"),
-        text=True,
-        env=os.environ | {"KVCHAT_HOME": str(tmp / "home")},
-    )
-    assert process.stdout is not None
-    line = process.stdout.readline()  # the one line it prints, once it listens
-    if "serving" not in line:
-        process.kill()
-        pytest.fail(f"the server did not start: {line!r}\n{log.read_text()}")
-    url = line.split(" on ")[1].split()[0]
-    return Server(process, url, log)
-
-
-def stop_server(server: Server) -> None:
-    server.process.terminate()
-    try:
-        server.process.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        server.process.kill()
-        raise
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("serve")
-    served = start_server(tmp, "--document", str(SAMPLE_REPO), "--queue-size", "1")
-    yield served
-    stop_server(served)
+    args = ["--api-key", KEY, "--document", str(SAMPLE_REPO), "--queue-size", "1"]
+    for override in OVERRIDES:
+        args += ["--set", override]
+    with (tmp / "server.log").open("w") as log:
+        served = start_server(args, log, os.environ | {"KVCHAT_HOME": str(tmp / "home")})
+    yield Server(served)
+    served.stop()
 
 
 @pytest.fixture(scope="module")

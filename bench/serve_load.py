@@ -1,0 +1,270 @@
+"""`kvchat bench serve`: many clients at once against `kvchat serve` on loopback.
+
+The server runs in a subprocess, as a user runs it. `clients` threads send a short chat
+question each at the same moment, streamed; each records when it was answered, its first
+token, the queue positions the stream reported, and its text. Then every question is asked
+again, one at a time, and each concurrent answer must equal its one-at-a-time answer (greedy:
+the queue must not change what a request gets). The server's RSS is sampled throughout and
+set against the plan its statistics report.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+from urllib.parse import urlsplit
+
+import psutil
+
+from kvchat.native.cpu import cpu_name
+
+READY_TIMEOUT_S = 600  # a first start builds the C++ kernels
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class ServerProcess:
+    """`kvchat serve` in a subprocess; `url` is its /v1 base."""
+
+    process: subprocess.Popen
+    url: str
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def start_server(
+    args: Sequence[str], stderr: IO[str] | int, env: dict[str, str] | None = None
+) -> ServerProcess:
+    """`kvchat serve --port 0 ARGS` in a subprocess, once it accepts requests."""
+    process = subprocess.Popen(
+        [sys.executable, "-m", "kvchat.tui.cli", "serve", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=stderr,
+        text=True,
+        env=env,
+    )
+    assert process.stdout is not None
+    ready = threading.Timer(READY_TIMEOUT_S, process.kill)
+    ready.start()
+    line = process.stdout.readline()  # the one line it prints, once it listens
+    ready.cancel()
+    if " on http" not in line:
+        process.kill()
+        process.wait()
+        raise ServerStartError(f"kvchat serve did not start (exit {process.returncode})")
+    return ServerProcess(process, line.split(" on ")[1].split()[0])
+
+
+def request(url: str, path: str, body: dict[str, Any] | None = None) -> http.client.HTTPResponse:
+    """POST `body` (GET without one) to url + path; the response, unread."""
+    parts = urlsplit(url)
+    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
+    data = None if body is None else json.dumps(body).encode()
+    headers = {"Content-Type": "application/json"} if body is not None else {}
+    connection.request("GET" if body is None else "POST", parts.path + path, data, headers)
+    return connection.getresponse()
+
+
+@dataclass
+class ClientRun:
+    """What one client saw."""
+
+    question: str
+    status: int = 0
+    text: str = ""
+    positions: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+    first_token_s: float | None = None
+    completion_tokens: int = 0
+    error: str | None = None
+
+
+def _stream_chat(url: str, question: str, max_tokens: int, start: threading.Event) -> ClientRun:
+    run = ClientRun(question)
+    body = {
+        "model": "bench",
+        "messages": [{"role": "user", "content": question}],
+        "max_tokens": max_tokens,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    start.wait()
+    began = time.perf_counter()
+    try:
+        response = request(url, "/chat/completions", body)
+        run.status = response.status
+        pieces = []
+        for raw in response:
+            line = raw.decode().rstrip("\n")
+            if line.startswith(": queued, "):
+                run.positions.append(int(line.split()[2]))
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line.removeprefix("data: "))
+            if "error" in chunk:
+                run.error = chunk["error"]["message"]
+            for choice in chunk.get("choices", []):
+                if text := choice["delta"].get("content"):
+                    run.first_token_s = run.first_token_s or time.perf_counter() - began
+                    pieces.append(text)
+            if chunk.get("usage"):
+                run.completion_tokens = chunk["usage"]["completion_tokens"]
+        run.text = "".join(pieces)
+    except OSError as e:
+        run.error = str(e)
+    run.seconds = time.perf_counter() - began
+    return run
+
+
+def _whole_chat(url: str, question: str, max_tokens: int) -> str:
+    body = {"model": "bench", "messages": [{"role": "user", "content": question}]}
+    response = request(url, "/chat/completions", {**body, "max_tokens": max_tokens})
+    return json.loads(response.read())["choices"][0]["message"]["content"]
+
+
+class _RssSampler(threading.Thread):
+    def __init__(self, pid: int, interval: float = 0.02) -> None:
+        super().__init__(daemon=True)
+        self.process, self.interval = psutil.Process(pid), interval
+        self.peak = 0
+        self.done = threading.Event()
+
+    def run(self) -> None:
+        while not self.done.is_set():
+            try:
+                self.peak = max(self.peak, self.process.memory_info().rss)
+            except psutil.Error:
+                return
+            time.sleep(self.interval)
+
+
+def run_serve_bench(
+    server_args: Sequence[str],
+    clients: int,
+    max_tokens: int,
+    log: Callable[[str], None],
+    stderr: IO[str] | None = None,
+) -> dict[str, Any]:
+    """Start `kvchat serve SERVER_ARGS`, run `clients` concurrent streamed questions, then the
+    same ones one at a time; the numbers, ready for JSON."""
+    log(f"starting kvchat serve {' '.join(server_args)}")
+    err = subprocess.DEVNULL if stderr is None else stderr
+    server = start_server([*server_args, "--queue-size", str(clients)], err)
+    try:
+        sampler = _RssSampler(server.process.pid)
+        sampler.start()
+        questions = [f"What is {i} plus {i}? Answer with the number only." for i in range(clients)]
+        start = threading.Event()
+        runs: list[ClientRun] = [ClientRun(q) for q in questions]
+
+        def client(i: int) -> None:
+            runs[i] = _stream_chat(server.url, questions[i], max_tokens, start)
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+        for thread in threads:
+            thread.start()
+        log(f"{clients} clients ask at once")
+        began = time.perf_counter()
+        start.set()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - began
+        log(f"answered in {wall:.2f} s; asking again one at a time")
+        alone = [_whole_chat(server.url, q, max_tokens) for q in questions]
+        stats = json.loads(request(server.url, "/kvchat/stats").read())
+        sampler.done.set()
+        sampler.join()
+    finally:
+        server.stop()
+    return _result(runs, alone, wall, sampler.peak, stats, clients, max_tokens)
+
+
+def _result(
+    runs: list[ClientRun],
+    alone: list[str],
+    wall: float,
+    peak_rss: int,
+    stats: dict[str, Any],
+    clients: int,
+    max_tokens: int,
+) -> dict[str, Any]:
+    ok = [r for r in runs if r.status == 200 and r.error is None]
+    latencies = sorted(r.seconds for r in ok)
+    firsts = sorted(r.first_token_s for r in ok if r.first_token_s is not None)
+    tokens = sum(r.completion_tokens for r in ok)
+
+    def pct(values: list[float], q: float) -> float | None:
+        return round(values[min(len(values) - 1, int(q * len(values)))], 3) if values else None
+
+    return {
+        "benchmark": "serve",
+        "clients": clients,
+        "max_tokens": max_tokens,
+        "completed": len(ok),
+        "failed": [
+            {"question": r.question, "status": r.status, "error": r.error}
+            for r in runs
+            if r not in ok
+        ],
+        "equal_to_one_at_a_time": sum(r.text == a for r, a in zip(runs, alone, strict=True)),
+        "unequal": [
+            {"question": r.question, "at_once": r.text, "alone": a}
+            for r, a in zip(runs, alone, strict=True)
+            if r.text != a
+        ],
+        "queue_positions_reported": sum(bool(r.positions) for r in runs),
+        "largest_position": max((max(r.positions) for r in runs if r.positions), default=None),
+        "wall_seconds": round(wall, 3),
+        "latency_seconds": {
+            "p50": pct(latencies, 0.5),
+            "p95": pct(latencies, 0.95),
+            "max": pct(latencies, 1.0),
+            "mean": round(statistics.fmean(latencies), 3) if latencies else None,
+        },
+        "first_token_seconds": {"p50": pct(firsts, 0.5), "max": pct(firsts, 1.0)},
+        "completion_tokens": tokens,
+        "completion_tok_s": round(tokens / wall, 2) if wall else None,
+        "peak_rss_bytes": peak_rss,
+        "plan": stats["plan"],
+        "within_plan": peak_rss <= stats["plan"]["max_seq_len_total_bytes"],
+        "server": {k: stats["engine"][k] for k in ("model", "device", "dtype", "attention")},
+        "machine": {
+            "cpu": cpu_name(),
+            "cores": os.cpu_count(),
+            "ram_bytes": psutil.virtual_memory().total,
+        },
+    }
+
+
+def summary(result: dict[str, Any]) -> list[str]:
+    """The result in a few lines, for the log."""
+    lat = result["latency_seconds"]
+    return [
+        f"{result['completed']}/{result['clients']} answered, "
+        f"{result['equal_to_one_at_a_time']} equal to their answer asked alone, "
+        f"{result['queue_positions_reported']} saw their queue position "
+        f"(largest {result['largest_position']})",
+        f"latency p50 {lat['p50']} s, p95 {lat['p95']} s, max {lat['max']} s; "
+        f"{result['completion_tok_s']} tok/s over {result['wall_seconds']} s",
+        f"peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB; plan "
+        f"{result['plan']['max_seq_len_total_bytes'] / 2**30:.2f} GiB at max_seq_len "
+        f"{result['plan']['max_seq_len']:,}",
+    ]
