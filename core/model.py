@@ -68,12 +68,13 @@ class Transformer:
         def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
             if name not in t:
                 raise WeightsError(f"{weights.source}: tensor {name!r} is missing")
-            if tuple(t[name].shape) != shape:
+            value = t[name]  # read once: a GGUF's tensors are made on each read
+            if tuple(value.shape) != shape:
                 raise WeightsError(
-                    f"{weights.source}: tensor {name!r} has shape {tuple(t[name].shape)}, "
+                    f"{weights.source}: tensor {name!r} has shape {tuple(value.shape)}, "
                     f"expected {shape}"
                 )
-            return t[name]
+            return value
 
         def vec(name: str, size: int) -> torch.Tensor:
             return tensor(name, (size,)).to(device=self.device, dtype=dtype)

@@ -10,7 +10,7 @@ import hashlib
 import importlib.util
 import os
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,10 +72,39 @@ class Int8Groups:
         return (grouped * self.scale[..., None]).reshape(rows, -1)
 
 
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """Hugging Face name -> float32 tensor, made from the file each time it is read and not
+    kept. The decoder is built from the tensors one at a time, each converted to the format it
+    runs in, so a load holds one float32 weight at a time rather than a float32 copy of the
+    whole model. `on_progress(read, total)` follows the first read of each tensor."""
+
+    def __init__(
+        self,
+        makers: dict[str, Callable[[], torch.Tensor]],
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        self._makers, self._on_progress = makers, on_progress
+        self._read: set[str] = set()
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        tensor = self._makers[name]()
+        if name not in self._read:
+            self._read.add(name)
+            if self._on_progress is not None:
+                self._on_progress(len(self._read), len(self._makers))
+        return tensor
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+
 @dataclass
 class ModelWeights:
     config: ModelConfig
-    tensors: dict[str, torch.Tensor]  # Hugging Face names, float32, contiguous
+    tensors: Mapping[str, torch.Tensor]  # Hugging Face names, float32, contiguous
     int4: dict[str, Int4Groups]  # the subset of `tensors` stored as Q4_0 / Q4_1
     source: Path  # the resolved file or folder
     metadata: dict[str, object]  # GGUF key/values or the HF config.json dict
