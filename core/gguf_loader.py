@@ -21,6 +21,7 @@ from .weights import (
     Int8Groups,
     LazyTensors,
     ModelWeights,
+    RowMaker,
     WeightsError,
     expected_shapes,
 )
@@ -73,7 +74,7 @@ def load_gguf(path: Path, on_progress: Callable[[int, int], None] | None = None)
     config = config_from_gguf(metadata, by_name, path)
     planned = _plan(by_name, config, path)
     permute = config.architecture in PERMUTED_ARCHITECTURES
-    makers: dict[str, Callable[[], torch.Tensor]] = {}
+    makers: dict[str, tuple[RowMaker, tuple[int, ...]]] = {}
     int4: dict[str, Int4Groups] = {}
     int8: dict[str, Int8Groups] = {}
     # All array work is numpy: torch's two-thread kernels stall when other processes share the
@@ -83,34 +84,46 @@ def load_gguf(path: Path, on_progress: Callable[[int, int], None] | None = None)
         if tensor.tensor_type in INT4_TYPES and len(shape) == 2:
             q, scale, minimum = (_unpermute(a, heads) for a in _int4_groups(tensor))
             int4[hf_name] = Int4Groups(*map(torch.from_numpy, (q, scale, minimum)))
-            # Bit-identical to gguf.quants.dequantize: the same float32 multiply, then add.
-            values = partial(_int4_values, q, scale, minimum)
+            rows = partial(_int4_rows, q, scale, minimum)
         elif tensor.tensor_type == T.Q8_0 and len(shape) == 2:
             q8, scale = (_unpermute(a, heads) for a in _int8_groups(tensor))
             int8[hf_name] = Int8Groups(*map(torch.from_numpy, (q8, scale)))
-            values = partial(_int8_values, q8, scale)
+            rows = partial(_int8_rows, q8, scale)
+        elif heads is not None:  # the interleave mixes rows: the whole tensor, then the rows
+            rows = partial(_unpermuted_rows, tensor, heads)
         else:
-            values = partial(_dequantized, tensor, heads)
-        makers[hf_name] = partial(_float32, values, shape)
-    tensors = LazyTensors(makers, on_progress)
-    return ModelWeights(config, tensors, int4, path, metadata, int8)
+            rows = partial(_dequantized_rows, tensor)
+        makers[hf_name] = (partial(_float32, rows, shape), shape)
+    return ModelWeights(config, LazyTensors(makers, on_progress), int4, path, metadata, int8)
 
 
-def _int4_values(q: np.ndarray, scale: np.ndarray, minimum: np.ndarray) -> np.ndarray:
-    return q.reshape(*scale.shape, -1) * scale[..., None] + minimum[..., None]
+def _int4_rows(
+    q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, start: int, stop: int
+) -> np.ndarray:
+    # Bit-identical to gguf.quants.dequantize: the same float32 multiply, then add.
+    s = slice(start, stop)
+    return q[s].reshape(*scale[s].shape, -1) * scale[s, :, None] + minimum[s, :, None]
 
 
-def _int8_values(q8: np.ndarray, scale: np.ndarray) -> np.ndarray:
-    return q8.reshape(*scale.shape, -1) * scale[..., None]  # as gguf's dequantize
+def _int8_rows(q8: np.ndarray, scale: np.ndarray, start: int, stop: int) -> np.ndarray:
+    s = slice(start, stop)
+    return q8[s].reshape(*scale[s].shape, -1) * scale[s, :, None]  # as gguf's dequantize
 
 
-def _dequantized(tensor: ReaderTensor, heads: int | None) -> np.ndarray:
-    return _unpermute(dequantize(tensor.data, tensor.tensor_type), heads)
+def _dequantized_rows(tensor: ReaderTensor, start: int, stop: int) -> np.ndarray:
+    return dequantize(tensor.data[start:stop], tensor.tensor_type)
 
 
-def _float32(values: Callable[[], np.ndarray], shape: tuple[int, ...]) -> torch.Tensor:
+def _unpermuted_rows(tensor: ReaderTensor, heads: int, start: int, stop: int) -> np.ndarray:
+    return _unpermute(dequantize(tensor.data, tensor.tensor_type), heads)[start:stop]
+
+
+def _float32(
+    rows: Callable[[int, int], np.ndarray], shape: tuple[int, ...], start: int, stop: int
+) -> torch.Tensor:
     # F32 comes back as a read-only view of the memory map; everything else is a fresh copy.
-    return torch.from_numpy(np.require(values().reshape(shape), np.float32, ["C", "W"]))
+    values = rows(start, stop).reshape(stop - start, *shape[1:])
+    return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
 
 
 class _Reader(GGUFReader):

@@ -65,16 +65,18 @@ class Transformer:
         self._rms_norm = rms_norm if ops is None else ops.rms_norm
         self._silu_mul = silu_mul if ops is None else ops.silu_mul
 
-        def tensor(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+        def tensor(
+            name: str, shape: tuple[int, ...], as_dtype: torch.dtype = torch.float32
+        ) -> torch.Tensor:
+            """Weight `name` in `as_dtype`, made from the file as it is read (LazyTensors)."""
             if name not in t:
                 raise WeightsError(f"{weights.source}: tensor {name!r} is missing")
-            value = t[name]  # read once: a GGUF's tensors are made on each read
-            if tuple(value.shape) != shape:
+            if t.shape(name) != shape:
                 raise WeightsError(
-                    f"{weights.source}: tensor {name!r} has shape {tuple(value.shape)}, "
+                    f"{weights.source}: tensor {name!r} has shape {t.shape(name)}, "
                     f"expected {shape}"
                 )
-            return value
+            return t.converted(name, as_dtype)
 
         def vec(name: str, size: int) -> torch.Tensor:
             return tensor(name, (size,)).to(device=self.device, dtype=dtype)
@@ -113,7 +115,7 @@ class Transformer:
         # One-token passes in two C++ calls a layer (core/int4_layer.py) where every
         # projection runs on int4_layer.cpp's packed weights.
         self._decode_layers = self._int4_decode_layers(ops)
-        self.embed = tensor("model.embed_tokens.weight", (cfg.vocab_size, h)).to(dtype)
+        self.embed = tensor("model.embed_tokens.weight", (cfg.vocab_size, h), dtype)
         self.norm = vec("model.norm.weight", h)
         self.lm_head: Linear
         # A tied head on the CPU shares the embedding table instead of holding a second copy
@@ -126,7 +128,7 @@ class Transformer:
             table = (
                 self.embed
                 if self._head_is_embed
-                else tensor(f"{head}.weight", (cfg.vocab_size, h)).to(self.device, dtype)
+                else tensor(f"{head}.weight", (cfg.vocab_size, h), dtype).to(self.device)
             )
             self.lm_head = Int8Linear(q8, DenseLinear(table, None, copy=False), ops)
         elif self._head_is_embed:

@@ -72,27 +72,60 @@ class Int8Groups:
         return (grouped * self.scale[..., None]).reshape(rows, -1)
 
 
+# Rows = (start, stop) -> those rows of a tensor as float32.
+RowMaker = Callable[[int, int], torch.Tensor]
+# Rows converted at a time by LazyTensors.converted: ~16 MiB of float32 for a 4096-wide matrix.
+_CONVERT_ROWS = 1024
+
+
 class LazyTensors(Mapping[str, torch.Tensor]):
     """Hugging Face name -> float32 tensor, made from the file each time it is read and not
     kept. The decoder is built from the tensors one at a time, each converted to the format it
-    runs in, so a load holds one float32 weight at a time rather than a float32 copy of the
-    whole model. `on_progress(read, total)` follows the first read of each tensor."""
+    runs in (`converted`: a block of rows at a time), so a load holds a block of float32 rows
+    rather than a float32 copy of the model. `on_progress(read, total)` follows the first read
+    of each tensor."""
 
     def __init__(
         self,
-        makers: dict[str, Callable[[], torch.Tensor]],
+        makers: dict[str, tuple[RowMaker, tuple[int, ...]]],
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         self._makers, self._on_progress = makers, on_progress
         self._read: set[str] = set()
 
+    @classmethod
+    def of(cls, tensors: Mapping[str, torch.Tensor]) -> LazyTensors:
+        """Tensors already in memory, behind the same interface."""
+        if isinstance(tensors, LazyTensors):
+            return tensors
+        return cls({name: (_rows_of(t), tuple(t.shape)) for name, t in tensors.items()})
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._makers[name][1]
+
+    def converted(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """`self[name]` in `dtype`; a block of rows at a time (and no float32 copy of the
+        whole) when `dtype` is not float32."""
+        make, shape = self._makers[name]
+        self._report(name)
+        if dtype == torch.float32 or not shape:
+            return make(0, shape[0] if shape else 0).to(dtype)
+        out = torch.empty(shape, dtype=dtype)
+        for start in range(0, shape[0], _CONVERT_ROWS):
+            stop = min(start + _CONVERT_ROWS, shape[0])
+            out[start:stop] = make(start, stop)
+        return out
+
     def __getitem__(self, name: str) -> torch.Tensor:
-        tensor = self._makers[name]()
+        make, shape = self._makers[name]
+        self._report(name)
+        return make(0, shape[0] if shape else 0)
+
+    def _report(self, name: str) -> None:
         if name not in self._read:
             self._read.add(name)
             if self._on_progress is not None:
                 self._on_progress(len(self._read), len(self._makers))
-        return tensor
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._makers)
@@ -101,14 +134,21 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         return len(self._makers)
 
 
+def _rows_of(tensor: torch.Tensor) -> RowMaker:
+    return lambda start, stop: tensor if tensor.dim() == 0 else tensor[start:stop]
+
+
 @dataclass
 class ModelWeights:
     config: ModelConfig
-    tensors: Mapping[str, torch.Tensor]  # Hugging Face names, float32, contiguous
+    tensors: LazyTensors  # Hugging Face names, float32 (a plain mapping is wrapped)
     int4: dict[str, Int4Groups]  # the subset of `tensors` stored as Q4_0 / Q4_1
     source: Path  # the resolved file or folder
     metadata: dict[str, object]  # GGUF key/values or the HF config.json dict
     int8: dict[str, Int8Groups] = field(default_factory=dict)  # the subset stored as Q8_0
+
+    def __post_init__(self) -> None:
+        self.tensors = LazyTensors.of(self.tensors)
 
 
 @dataclass(frozen=True)

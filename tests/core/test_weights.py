@@ -191,3 +191,15 @@ def test_a_gguf_reports_each_tensor_as_it_is_first_read(smollm2_path):
     for name in [*weights.tensors, *weights.tensors]:  # read twice: reported once
         assert weights.tensors[name].dtype == torch.float32
     assert seen == [(i, n) for i in range(1, n + 1)]
+
+
+def test_converted_tensors_equal_the_float32_ones_rounded(smollm2_path):
+    weights = load_weights(smollm2_path)
+    t = weights.tensors
+    # The embedding spans many blocks of rows; q_proj's rows are un-interleaved whole.
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight"):
+        assert t.shape(name) == tuple(t[name].shape)
+        assert torch.equal(t.converted(name, torch.bfloat16), t[name].to(torch.bfloat16))
+        assert torch.equal(t.converted(name, torch.float32), t[name])
+    norm = "model.layers.0.input_layernorm.weight"
+    assert torch.equal(t.converted(norm, torch.bfloat16), t[norm].to(torch.bfloat16))
