@@ -326,10 +326,12 @@ class CacheSettings:
         max=4_194_304,
     )
     snapshot_max_gib: float = setting(
-        20.0,
+        0.0,
         "Disk space the snapshots may take in all, in GiB; the least recently used are deleted "
-        "to make room.",
-        min=0.1,
+        "to make room. 0 = half of the disk space they could use (what they take plus what is "
+        "free), so a 1M-token snapshot (7-13 GB as INT8 / INT4) fits where the disk has room "
+        "and half of the free disk always stays free.",
+        min=0.0,
         max=1_000_000.0,
     )
 

@@ -27,6 +27,7 @@ EARLIER_DEFAULTS: dict[str, tuple[Any, ...]] = {
     "long_context.dense_layer_num": (2,),
     "long_context.anchor_type": ("DYNAMIC",),
     "long_context.attention": ("dense",),
+    "cache.snapshot_max_gib": (20.0,),
 }
 
 

@@ -54,6 +54,7 @@ from .snapshot import (
     SnapshotInfo,
     SnapshotStore,
     cache_settings,
+    cap_bytes,
     model_identity,
     snapshot_dir,
 )
@@ -615,9 +616,7 @@ class Engine:
         """The snapshot folder under the current cache settings; None when they are off."""
         c = self.settings.cache
         return (
-            SnapshotStore(self.snapshot_dir, int(c.snapshot_max_gib * 2**30))
-            if c.snapshots
-            else None
+            SnapshotStore(self.snapshot_dir, cap_bytes(c.snapshot_max_gib)) if c.snapshots else None
         )
 
     @property

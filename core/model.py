@@ -73,8 +73,7 @@ class Transformer:
                 raise WeightsError(f"{weights.source}: tensor {name!r} is missing")
             if t.shape(name) != shape:
                 raise WeightsError(
-                    f"{weights.source}: tensor {name!r} has shape {t.shape(name)}, "
-                    f"expected {shape}"
+                    f"{weights.source}: tensor {name!r} has shape {t.shape(name)}, expected {shape}"
                 )
             return t.converted(name, as_dtype)
 

@@ -284,12 +284,33 @@ def format_size(n_bytes: int) -> str:
 # -- the store --------------------------------------------------------------------------------
 
 
-class SnapshotStore:
-    """The snapshot files of one folder, at most `max_bytes` in all (least recently used go)."""
+def cap_bytes(max_gib: float) -> int | None:
+    """cache.snapshot_max_gib in bytes; None for 0, the cap that follows the disk."""
+    return None if max_gib == 0 else int(max_gib * 2**30)
 
-    def __init__(self, directory: Path, max_bytes: int) -> None:
+
+class SnapshotStore:
+    """The snapshot files of one folder, at most `max_bytes` in all (least recently used go).
+    `max_bytes` None: half of the disk space the snapshots could use (what they take now plus
+    what is free), so they never take more than half of the free disk."""
+
+    def __init__(self, directory: Path, max_bytes: int | None) -> None:
         self.directory = Path(directory)
         self.max_bytes = max_bytes
+
+    def cap(self) -> int:
+        """The bytes the snapshots may take in all, now."""
+        if self.max_bytes is not None:
+            return self.max_bytes
+        return (self.total_bytes() + shutil.disk_usage(_existing(self.directory)).free) // 2
+
+    def describe_cap(self) -> str:
+        if self.max_bytes is not None:
+            return f"{format_size(self.max_bytes)} (cache.snapshot_max_gib)"
+        return (
+            f"{format_size(self.cap())} (half of the disk space they could use; "
+            "cache.snapshot_max_gib sets a fixed cap)"
+        )
 
     # listing and removal
     def entries(self) -> list[SnapshotInfo]:
@@ -365,13 +386,14 @@ class SnapshotStore:
         }
         header = _layout(header, sections)
         size = header["file_size"]
-        if size > self.max_bytes:
+        cap = self.cap()
+        if size > cap:
             raise SnapshotError(
-                f"the snapshot would take {format_size(size)}, more than "
-                f"cache.snapshot_max_gib ({format_size(self.max_bytes)})"
+                f"the snapshot would take {format_size(size)}, more than the snapshots may "
+                f"take: {self.describe_cap()}"
             )
         private_folder(self.directory)
-        self._make_room(size)
+        self._make_room(size, cap)
         free = shutil.disk_usage(self.directory).free
         if size > free:
             raise SnapshotError(
@@ -381,10 +403,10 @@ class SnapshotStore:
         _write_atomically(path, header, sections)
         return self._read_info(path)
 
-    def _make_room(self, incoming: int) -> None:
+    def _make_room(self, incoming: int, cap: int) -> None:
         entries = self.entries()  # most recently used first
         total = sum(info.size_bytes for info in entries)
-        while entries and total + incoming > self.max_bytes:
+        while entries and total + incoming > cap:
             victim = entries.pop()
             if _delete(victim.path) is None:
                 total -= victim.size_bytes
@@ -478,6 +500,13 @@ class SnapshotStore:
             created=header["created"],
             header=header,
         )
+
+
+def _existing(path: Path) -> Path:
+    """`path`, or its nearest parent that exists (a folder not made yet has its disk's space)."""
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
 
 
 def _listing(directory: Path, pattern: str) -> list[Path]:

@@ -38,6 +38,7 @@ from kvchat.core.snapshot import (
     SnapshotError,
     SnapshotInfo,
     SnapshotStore,
+    cap_bytes,
     format_size,
     snapshot_dir,
 )
@@ -290,8 +291,7 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    cap = _load(args).settings.cache.snapshot_max_gib
-    store = SnapshotStore(snapshot_dir(), int(cap * 2**30))
+    store = SnapshotStore(snapshot_dir(), cap_bytes(_load(args).settings.cache.snapshot_max_gib))
     if args.action == "rm":
         if not args.id:
             raise SnapshotError("which snapshot? give its id, or a unique start of it")
@@ -309,10 +309,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
             )
         )
         total = format_size(sum(i.size_bytes for i in entries))
-        print(
-            f"{_snapshots(len(entries))}, {total} of {cap:g} GiB (cache.snapshot_max_gib) "
-            f"in {store.directory}"
-        )
+        print(f"{_snapshots(len(entries))}, {total} of {store.describe_cap()} in {store.directory}")
     return 0
 
 

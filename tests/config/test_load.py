@@ -256,7 +256,8 @@ def test_a_file_written_whole_is_upgraded_once_so_new_defaults_reach_it(write_co
     assert loaded.settings.generation.temperature == 0.7
     assert loaded.warnings == [
         f"{path}: the keys at their defaults are now commented out, so kvchat's defaults "
-        "reach you; now long_context.second_select_num: 32 -> 16"
+        "reach you; now long_context.second_select_num: 32 -> 16, cache.snapshot_max_gib: "
+        "20.0 -> 0.0"
     ]
     saved = path.read_text(encoding="utf-8")
     assert saved.startswith(HEADER)

@@ -195,7 +195,7 @@ def test_defaults_are_the_documented_ones():
         "regenerate": "ctrl+r",
         "copy_reply": "ctrl+t",
     }
-    assert dataclasses.astuple(s.cache) == (True, 16384, 20.0)
+    assert dataclasses.astuple(s.cache) == (True, 16384, 0.0)
 
 
 def test_settings_are_frozen():

@@ -22,6 +22,7 @@ from kvchat.core.snapshot import (
     SUFFIX,
     SnapshotError,
     SnapshotStore,
+    cap_bytes,
     model_identity,
     snapshot_dir,
 )
@@ -291,7 +292,7 @@ def test_lookup_takes_the_longest_prefix_and_eviction_the_least_recently_used(tm
     assert not short.path.exists() and store.total_bytes() <= store.max_bytes
 
     too_big = _tiny_state(4.0, n=1 << 20)
-    with pytest.raises(SnapshotError, match=r"more than cache\.snapshot_max_gib"):
+    with pytest.raises(SnapshotError, match=r"more than the snapshots may take: .*KiB \(cache"):
         store.save(too_big, [4], torch.zeros(4), "m", "m", {})
     assert {i.id for i in store.entries()} == {longer.id, third.id}
     assert not list(store.directory.glob(".*"))
@@ -344,7 +345,7 @@ def test_cache_command_lists_removes_and_clears(tmp_path, monkeypatch, capsys):
     assert lines[0].split() == ["ID", "TOKENS", "MODEL", "KV", "SIZE", "LAST", "USED"]
     row = next(line for line in lines if line.startswith(first.id))
     assert "1,200" in row and "Tiny" in row and "INT8" in row and "KiB" in row
-    assert "2 snapshots" in lines[-1] and "of 20 GiB" in lines[-1]
+    assert "2 snapshots" in lines[-1] and "(half of the disk space they could use;" in lines[-1]
 
     assert main(["cache", "rm", first.id[:6]]) == 0
     assert f"removed {first.id}" in capsys.readouterr().out
@@ -354,3 +355,15 @@ def test_cache_command_lists_removes_and_clears(tmp_path, monkeypatch, capsys):
     assert "removed 1 snapshot (" in capsys.readouterr().out
     assert main(["cache", "list"]) == 0
     assert "0 snapshots" in capsys.readouterr().out
+
+
+def test_the_default_cap_is_half_the_disk_space_the_snapshots_could_use(tmp_path):
+    store = SnapshotStore(tmp_path / "snapshots", None)  # the folder does not exist yet
+    free = shutil.disk_usage(tmp_path).free
+    assert abs(store.cap() - free // 2) < 64 << 20  # other writers move the free space a little
+    saved = store.save(_tiny_state(1.0), [1], torch.zeros(4), "m", "m", {})
+    # What the snapshots take counts as theirs: saving does not shrink their cap.
+    assert abs(store.cap() - (saved.size_bytes + shutil.disk_usage(tmp_path).free) // 2) < 64 << 20
+    assert "half of the disk space they could use" in store.describe_cap()
+    assert SnapshotStore(tmp_path, cap_bytes(20.0)).cap() == 20 << 30
+    assert cap_bytes(0.0) is None
