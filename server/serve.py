@@ -15,6 +15,7 @@ DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_WAITING = 16
 API_KEY_ENV = "KVCHAT_API_KEY"
+SHUTDOWN_GRACE_S = 2
 
 
 class ServeError(ValueError):
@@ -70,7 +71,15 @@ def serve(
 
     worker = EngineWorker(engine, max_waiting)
     api = KvchatApi(worker, model_name, document, api_key)
-    config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off")
+    # On SIGINT/SIGTERM uvicorn waits for open replies; a reply still streaming after that is
+    # cancelled, which stops its request in the engine within a chunk or a token.
+    config = uvicorn.Config(
+        api.app(),
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
     server = uvicorn.Server(config)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host

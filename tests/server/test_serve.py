@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -238,3 +239,22 @@ def test_listening_beyond_loopback_needs_an_api_key(tmp_path):
     )
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "--api-key" in done.stderr
+
+
+def test_the_server_stops_promptly_while_a_reply_streams(tmp_path):
+    with (tmp_path / "server.log").open("w") as log:
+        served = start_server(
+            ["--set", "long_context.max_seq_len=4096"],
+            log,
+            os.environ | {"KVCHAT_HOME": str(tmp_path / "home")},
+        )
+    body = {"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 3000, "stream": True}
+    with httpx.Client(timeout=120) as http:
+        with http.stream("POST", f"{served.url}/completions", json=body) as response:
+            lines = response.iter_lines()
+            assert next(line for line in lines if line.startswith("data: "))
+            started = time.monotonic()
+            served.process.terminate()  # SIGTERM, as a service manager stops it
+            # uvicorn shuts down, then ends the process by the signal it caught.
+            assert served.process.wait(timeout=30) in (0, -signal.SIGTERM)
+    assert time.monotonic() - started < 15
