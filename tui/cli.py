@@ -482,16 +482,19 @@ def _duration(seconds: float) -> str:
     return f"{minutes} min {secs} s" if minutes else f"{secs} s"
 
 
+_SIZE_SUFFIXES = {"k": 1024, "m": 1024 * 1024}
+
+
 def _parse_contexts(text: str) -> list[int]:
     sizes = []
     for part in text.split(","):
         part = part.strip().lower()
-        scale = 1024 if part.endswith("k") else 1
+        scale = _SIZE_SUFFIXES.get(part[-1:], 1)
         try:
-            sizes.append(int(part.removesuffix("k")) * scale)
+            sizes.append(int(part[:-1] if scale > 1 else part) * scale)
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"bad context size {part!r}; use e.g. 1k,4k,8k"
+                f"bad context size {part!r}; use e.g. 1k,4k,8k or 1m"
             ) from None
     return sizes
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import io
 import os
@@ -415,3 +416,12 @@ def test_plan_for_a_document_shows_its_memory_the_fit_and_a_prefill_time(
     out = capsys.readouterr().out
     assert "the settings (kv_type FP16, max_seq_len 131,072) hold it" in out
     assert "(recorded, " in out
+
+
+def test_sizes_take_k_and_m_suffixes():
+    from kvchat.tui.cli import _parse_contexts
+
+    assert _parse_contexts("4k, 128K,1m,300") == [4096, 131072, 1 << 20, 300]
+    for bad in ("4kk", "1.5m", "m", ""):
+        with pytest.raises(argparse.ArgumentTypeError, match="bad context size"):
+            _parse_contexts(bad)
