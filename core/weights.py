@@ -127,6 +127,9 @@ class LazyTensors(Mapping[str, torch.Tensor]):
             if self._on_progress is not None:
                 self._on_progress(len(self._read), len(self._makers))
 
+    def __contains__(self, name: object) -> bool:
+        return name in self._makers  # Mapping's own would make the tensor to find out
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._makers)
 

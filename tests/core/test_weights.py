@@ -188,6 +188,7 @@ def test_a_gguf_reports_each_tensor_as_it_is_first_read(smollm2_path):
     weights = load_weights(smollm2_path, lambda done, total: seen.append((done, total)))
     n = len(weights.tensors)
     assert seen == [] and n == 272  # nothing is dequantized until the model reads it
+    assert all(name in weights.tensors for name in weights.tensors) and seen == []
     for name in [*weights.tensors, *weights.tensors]:  # read twice: reported once
         assert weights.tensors[name].dtype == torch.float32
     assert seen == [(i, n) for i in range(1, n + 1)]
