@@ -28,7 +28,6 @@ from .schema import (
     changed_keys,
     replace_key,
     schema_fields,
-    value_of,
 )
 from .store import (
     LoadedSettings,
@@ -68,7 +67,6 @@ __all__ = [
     "kvchat_home",
     "load_settings",
     "replace_key",
-    "value_of",
     "reset_values",
     "save_changes",
     "save_settings",

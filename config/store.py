@@ -19,7 +19,7 @@ from .errors import ConfigError
 from .home import Place, folder_for, private_folder
 from .overrides import apply_overrides
 from .schema import Settings, changed_keys, replace_key, schema_fields, sections, value_of
-from .upgrade import is_whole_file, upgrade
+from .upgrade import is_whole_file, mark_upgraded, upgrade
 from .validate import Problem, build_settings, did_you_mean, fail, kind, validate_settings
 from .yamltext import edit_values, parse, settings_file_text
 
@@ -83,23 +83,25 @@ def _upgrade(path: Path, warnings: list[str]) -> Settings:
         if not is_whole_file(text):
             return settings
         upgraded = upgrade(text, settings)
-        if upgraded is None or not _holds(upgraded[0], upgraded[1]):
-            warnings.append(
-                f"{path}: keys at their defaults could not be commented out (an unusual "
-                "layout), so new defaults do not reach them; `kvchat config reset KEY` does it"
+        if upgraded is not None and _holds(upgraded[0], upgraded[1]):
+            text, settings, changes = upgraded
+            note = f"; now {', '.join(changes)}" if changes else ""
+            message = (
+                f"{path}: the keys at their defaults are now commented out, so kvchat's "
+                f"defaults reach you{note}"
             )
-            return settings
-        text, settings, changes = upgraded
+        else:  # marked, so that this is said once
+            text = mark_upgraded(text)
+            message = (
+                f"{path}: its layout cannot be edited line by line, so its keys stay as "
+                "written and new defaults do not reach them; delete the keys you did not set"
+            )
         try:
             atomic_write_text(path, text)
         except OSError as exc:
             warnings.append(f"{path}: could not upgrade it ({exc})")
             return settings_from_text(_read(path) or "", str(path), [])
-    note = f"; now {', '.join(changes)}" if changes else ""
-    warnings.append(
-        f"{path}: the keys at their defaults are now commented out, so kvchat's defaults "
-        f"reach you{note}"
-    )
+    warnings.append(message)
     return settings
 
 

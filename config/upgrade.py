@@ -32,7 +32,13 @@ EARLIER_DEFAULTS: dict[str, tuple[Any, ...]] = {
 
 
 def is_whole_file(text: str) -> bool:
-    return text.startswith(WHOLE_FILE_HEADER.splitlines()[0])
+    return text.startswith(WHOLE_FILE_HEADER)
+
+
+def mark_upgraded(text: str) -> str:
+    """`text` with the header of a file that lists its keys commented out: a file whose
+    keys could not be commented out is not tried again."""
+    return HEADER + text.removeprefix(WHOLE_FILE_HEADER)
 
 
 def upgrade(text: str, settings: Settings) -> tuple[str, Settings, list[str]] | None:
@@ -51,6 +57,4 @@ def upgrade(text: str, settings: Settings) -> tuple[str, Settings, list[str]] | 
     edited = edit_values(text, target)
     if edited is None:
         return None
-    if edited.startswith(WHOLE_FILE_HEADER):
-        edited = HEADER + edited.removeprefix(WHOLE_FILE_HEADER)
-    return edited, target, changes
+    return mark_upgraded(edited), target, changes

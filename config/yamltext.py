@@ -91,7 +91,7 @@ def _key_line(indent: str, key: str, value: Any, live: bool, comment: str) -> st
 
 
 def _section_block(
-    name: str, cls: type, help: str, values: Any, specs: list[FieldSpec], comment_defaults: bool
+    name: str, help: str, values: Any, specs: list[FieldSpec], comment_defaults: bool
 ) -> list[str]:
     lines = [f"# {help}", f"{name}:"]
     for spec in specs:
@@ -105,7 +105,7 @@ def _render(settings: Settings, header: str, comment_defaults: bool) -> str:
     blocks = [
         "\n".join(
             _section_block(
-                name, cls, help, getattr(settings, name), schema_fields(cls), comment_defaults
+                name, help, getattr(settings, name), schema_fields(cls), comment_defaults
             )
         )
         for name, cls, help in sections()
@@ -184,7 +184,8 @@ def _layout(lines: list[str]) -> dict[str, _Section] | None:
         if line.lstrip().startswith("#"):
             match = _COMMENTED_KEY_LINE.match(line)
             if match and match["key"] in known[current]:
-                section.commented.setdefault(match["key"], (i, match["indent"]))
+                # The last one: a help line above may read as `key: ...` too.
+                section.commented[match["key"]] = (i, match["indent"])
             continue
         if section.indent is None:
             section.indent = line[: len(line) - len(line.lstrip())]
@@ -224,7 +225,7 @@ def edit_values(text: str, settings: Settings, keys: Collection[str] | None = No
         if section is None:
             missing = [s for s in chosen if not is_default(name, s.name, getattr(values, s.name))]
             if missing:
-                lines += ["", *_section_block(name, cls, help, values, missing, True)]
+                lines += ["", *_section_block(name, help, values, missing, True)]
             continue
         added: list[str] = []
         for spec in chosen:

@@ -268,3 +268,14 @@ def test_a_file_written_whole_is_upgraded_once_so_new_defaults_reach_it(write_co
     again = load_settings()
     assert (again.settings, again.warnings) == (loaded.settings, [])
     assert path.read_text(encoding="utf-8") == saved
+
+
+def test_a_whole_file_the_editor_cannot_handle_is_kept_and_said_once(write_config):
+    text = WRITTEN_WHOLE.read_text(encoding="utf-8")
+    header = "".join(text.splitlines(keepends=True)[:3])
+    path = write_config(header + "model: {path: smollm2-135m, dtype: auto}\n")
+    loaded = load_settings()
+    [warning] = loaded.warnings
+    assert "cannot be edited line by line" in warning and "delete the keys" in warning
+    assert path.read_text(encoding="utf-8") == HEADER + "model: {path: smollm2-135m, dtype: auto}\n"
+    assert load_settings().warnings == []  # said once
