@@ -10,14 +10,14 @@ from kvchat.config import Settings
 from .baselines import BaselineMissingError, BaselineName
 from .gpu import GpuRequiredError
 from .prose import ProseMissingError
-from .serve_load import ServerStartError
+from .serve_load import ServeBenchError
 
 # Bad input or an unsuitable machine for a benchmark: one line and exit code 2.
 BENCH_ERRORS: tuple[type[Exception], ...] = (
     BaselineMissingError,
     GpuRequiredError,
     ProseMissingError,
-    ServerStartError,
+    ServeBenchError,
 )
 
 

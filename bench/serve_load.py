@@ -16,22 +16,25 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import IO, Any
 from urllib.parse import urlsplit
 
 import psutil
 
 from kvchat.native.cpu import cpu_name
+from kvchat.server.serve import API_KEY_ENV
 
 READY_TIMEOUT_S = 600  # a first start builds the C++ kernels
 
 
-class ServerStartError(RuntimeError):
-    pass
+class ServeBenchError(RuntimeError):
+    """kvchat serve did not start, or answered the bench with an error."""
 
 
 @dataclass
@@ -51,9 +54,10 @@ class ServerProcess:
 
 
 def start_server(
-    args: Sequence[str], stderr: IO[str] | int, env: dict[str, str] | None = None
+    args: Sequence[str], stderr: IO[str], env: dict[str, str] | None = None
 ) -> ServerProcess:
-    """`kvchat serve --port 0 ARGS` in a subprocess, once it accepts requests."""
+    """`kvchat serve --port 0 ARGS` in a subprocess, once it accepts requests; its stderr goes
+    to the file `stderr`, whose end a failed start quotes."""
     process = subprocess.Popen(
         [sys.executable, "-m", "kvchat.tui.cli", "serve", "--port", "0", *args],
         stdout=subprocess.PIPE,
@@ -69,7 +73,11 @@ def start_server(
     if " on http" not in line:
         process.kill()
         process.wait()
-        raise ServerStartError(f"kvchat serve did not start (exit {process.returncode})")
+        stderr.flush()
+        said = Path(stderr.name).read_text(errors="replace").strip().splitlines()[-3:]
+        raise ServeBenchError(
+            f"kvchat serve did not start (exit {process.returncode}): {' / '.join(said)}"
+        )
     return ServerProcess(process, line.split(" on ")[1].split()[0])
 
 
@@ -136,8 +144,16 @@ def _stream_chat(url: str, question: str, max_tokens: int, start: threading.Even
 
 def _whole_chat(url: str, question: str, max_tokens: int) -> str:
     body = {"model": "bench", "messages": [{"role": "user", "content": question}]}
-    response = request(url, "/chat/completions", {**body, "max_tokens": max_tokens})
-    return json.loads(response.read())["choices"][0]["message"]["content"]
+    return _json(request(url, "/chat/completions", {**body, "max_tokens": max_tokens}))["choices"][
+        0
+    ]["message"]["content"]
+
+
+def _json(response: http.client.HTTPResponse) -> dict[str, Any]:
+    body = json.loads(response.read())
+    if response.status != 200:
+        raise ServeBenchError(f"kvchat serve answered {response.status}: {body}")
+    return body
 
 
 class _RssSampler(threading.Thread):
@@ -161,13 +177,14 @@ def run_serve_bench(
     clients: int,
     max_tokens: int,
     log: Callable[[str], None],
-    stderr: IO[str] | None = None,
 ) -> dict[str, Any]:
     """Start `kvchat serve SERVER_ARGS`, run `clients` concurrent streamed questions, then the
     same ones one at a time; the numbers, ready for JSON."""
     log(f"starting kvchat serve {' '.join(server_args)}")
-    err = subprocess.DEVNULL if stderr is None else stderr
-    server = start_server([*server_args, "--queue-size", str(clients)], err)
+    # The bench sends no key: a key in the environment would make the server ask for one.
+    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    with tempfile.NamedTemporaryFile("w+", prefix="kvchat-serve-", suffix=".log") as err:
+        server = start_server([*server_args, "--queue-size", str(clients)], err, env)
     try:
         sampler = _RssSampler(server.process.pid)
         sampler.start()
@@ -189,7 +206,7 @@ def run_serve_bench(
         wall = time.perf_counter() - began
         log(f"answered in {wall:.2f} s; asking again one at a time")
         alone = [_whole_chat(server.url, q, max_tokens) for q in questions]
-        stats = json.loads(request(server.url, "/kvchat/stats").read())
+        stats = _json(request(server.url, "/kvchat/stats"))
         sampler.done.set()
         sampler.join()
     finally:

@@ -247,8 +247,9 @@ class Session:
     def cache_stats(self) -> CacheStats:
         """The cache's snapshot; an empty one before the first prefill (creates nothing, so
         any thread may call it)."""
-        if self._cache is not None:
-            return self._cache.stats()
+        cache = self._cache  # read once: the engine's thread may replace it meanwhile
+        if cache is not None:
+            return cache.stats()
         lc = self.engine.settings.long_context
         mode = self.engine.position_mode_for(0)
         return CacheStats(lc.attention, 0, lc.max_seq_len, 0, lc.kv_type, mode)
@@ -478,6 +479,28 @@ class Session:
             self.tokens.append(token)
             engine.throughput.record_decode(len(reply), time.perf_counter() - started)
 
+    def reply(
+        self,
+        ids: Sequence[int],
+        params: GenerationSettings,
+        on_progress: ProgressFn | None = None,
+        cancel: threading.Event | None = None,
+    ) -> Iterator[tuple[int, str]]:
+        """Prefill what the cache lacks of the prompt `ids`, then yield each reply token with
+        the text it completes (often "", mid-character) until the end-of-turn token (not
+        yielded), max_new_tokens, a full context or `cancel`. Refused before any work when
+        the prompt and its reply do not fit."""
+        engine = self.engine
+        engine.check_fits(len(ids), params.max_new_tokens)
+        self.prepare(len(ids) + params.max_new_tokens)
+        self.sync(ids, on_progress, cancel)
+        decoder = engine.tokenizer.stream_decoder()
+        eos = set(engine.tokenizer.eos_ids)
+        for token in self.generate(params, cancel):
+            if token in eos:
+                return
+            yield token, decoder.push(token)
+
     def ask(
         self,
         question: str,
@@ -523,17 +546,9 @@ class Session:
         params = params or engine.settings.generation
         before = replace(self._conversation, messages=self._conversation.messages[:kept])
         ids = before.prompt_ids(engine.tokenizer, question)
-        engine.check_fits(len(ids), params.max_new_tokens)
-        self.prepare(len(ids) + params.max_new_tokens)
-        self.sync(ids, on_progress, cancel)
-        decoder = engine.tokenizer.stream_decoder()
-        eos = set(engine.tokenizer.eos_ids)
         pieces: list[str] = []
         try:
-            for token in self.generate(params, cancel):
-                if token in eos:
-                    break
-                text = decoder.push(token)
+            for _, text in self.reply(ids, params, on_progress, cancel):
                 if text:
                     pieces.append(text)
                     yield text

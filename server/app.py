@@ -33,11 +33,14 @@ from starlette.routing import Route
 
 from kvchat.core.conversation import Conversation
 from kvchat.core.errors import USER_ERRORS
+from kvchat.core.plan import PlanRefusedError
 
 from .requests import ApiError, Sampling, chat_request, completion_request, parse_json
 from .worker import Done, EngineWorker, Event, Failed, Job, Progress, Queued, QueueFullError, Text
 
 Handler = Callable[[Request], Awaitable[Response]]
+# A body past this is refused unread: 4x the text of a 1M-token prompt.
+MAX_BODY_BYTES = 64 << 20
 # How often a whole (unstreamed) reply checks whether its client is still there.
 _DISCONNECT_POLL_S = 0.25
 
@@ -125,7 +128,7 @@ class KvchatApi:
         return JSONResponse(json.loads(json.dumps(body, default=str)))
 
     async def chat(self, request: Request) -> Response:
-        body = parse_json(await request.body())
+        body = parse_json(await _body(request))
         req = chat_request(body, self.worker.engine.settings.generation)
         conversation = dataclasses.replace(
             self.document, system=req.system or self.document.system, messages=req.turns
@@ -137,7 +140,7 @@ class KvchatApi:
         return await self._respond(request, ids, req.sampling, _ChatShape(self.model_name))
 
     async def completions(self, request: Request) -> Response:
-        body = parse_json(await request.body())
+        body = parse_json(await _body(request))
         req = completion_request(body, self.worker.engine.settings.generation)
         tokenizer = self.worker.engine.tokenizer
         ids = await self._prompt(lambda: tokenizer.encode(req.prompt), req.sampling)
@@ -155,30 +158,30 @@ class KvchatApi:
 
         try:
             return await run_in_threadpool(checked)
-        except USER_ERRORS as e:
+        except PlanRefusedError as e:
             raise ApiError(400, str(e), code="context_length_exceeded") from None
+        except USER_ERRORS as e:  # e.g. a chat template that refuses the messages
+            raise ApiError(400, str(e)) from None
 
     async def _respond(
         self, request: Request, ids: list[int], sampling: Sampling, shape: _Shape
     ) -> Response:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[Event] = asyncio.Queue()
-        job = Job(
-            ids,
-            sampling.params,
-            sampling.stop,
-            lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-        )
+
+        def emit(event: Event) -> None:
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the server has shut down: nobody reads the reply
+                job.cancel.set()
+
+        job = Job(ids, sampling.params, sampling.stop, emit)
         try:
             self.worker.submit(job)
         except QueueFullError as e:
             raise ApiError(503, str(e), kind="server_error", code="queue_full") from None
         if sampling.stream:
-            return StreamingResponse(
-                _stream(job, events, sampling, shape),
-                media_type="text/event-stream",
-                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
-            )
+            return _JobStream(job, _stream(events, sampling, shape))
         return await _whole(request, job, events, shape)
 
 
@@ -253,40 +256,53 @@ def _data(obj: dict[str, Any] | str) -> str:
     return f"data: {obj if isinstance(obj, str) else json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
+class _JobStream(StreamingResponse):
+    """A job's reply as server-sent events. However the response ends (the reply is done,
+    the client closed the connection, even before the first event), the job is cancelled:
+    the engine stops within a prefill chunk or a token, and a finished job ignores it."""
+
+    def __init__(self, job: Job, content: AsyncIterator[str]) -> None:
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(content, media_type="text/event-stream", headers=headers)
+        self.job = job
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.job.cancel.set()
+
+
 async def _stream(
-    job: Job, events: asyncio.Queue[Event], sampling: Sampling, shape: _Shape
+    events: asyncio.Queue[Event], sampling: Sampling, shape: _Shape
 ) -> AsyncIterator[str]:
-    """The reply as server-sent events. Leaving early (the client closed the connection)
-    cancels the job: the engine stops within a prefill chunk or a token."""
-    try:
-        if (first := shape.first_chunk()) is not None:
-            yield _data(first)
-        while True:
-            event = await events.get()
-            if isinstance(event, Queued):
-                yield f": queued, {event.ahead} ahead\n\n"
-            elif isinstance(event, Progress):
-                yield f": prompt {event.processed}/{event.total} ({event.cached} cached)\n\n"
-                if sampling.return_progress:
-                    progress = dataclasses.asdict(event)
-                    yield _data(
-                        shape.envelope(shape.chunk_object, choices=[], prompt_progress=progress)
-                    )
-            elif isinstance(event, Text):
-                yield _data(shape.chunk(event.text, None))
-            elif isinstance(event, Done):
-                yield _data(shape.chunk("", event.finish_reason))
-                if sampling.include_usage:
-                    usage = _usage(event)
-                    yield _data(shape.envelope(shape.chunk_object, choices=[], usage=usage))
-                yield _data("[DONE]")
-                return
-            else:
-                assert isinstance(event, Failed)
-                yield _data(_failure(event).body())
-                return
-    finally:
-        job.cancel.set()  # nothing to stop once the job is done
+    """The events of a job as SSE text."""
+    if (first := shape.first_chunk()) is not None:
+        yield _data(first)
+    while True:
+        event = await events.get()
+        if isinstance(event, Queued):
+            yield f": queued, {event.ahead} ahead\n\n"
+        elif isinstance(event, Progress):
+            yield f": prompt {event.processed}/{event.total} ({event.cached} cached)\n\n"
+            if sampling.return_progress:
+                progress = dataclasses.asdict(event)
+                yield _data(
+                    shape.envelope(shape.chunk_object, choices=[], prompt_progress=progress)
+                )
+        elif isinstance(event, Text):
+            yield _data(shape.chunk(event.text, None))
+        elif isinstance(event, Done):
+            yield _data(shape.chunk("", event.finish_reason))
+            if sampling.include_usage:
+                usage = _usage(event)
+                yield _data(shape.envelope(shape.chunk_object, choices=[], usage=usage))
+            yield _data("[DONE]")
+            return
+        else:
+            assert isinstance(event, Failed)
+            yield _data(_failure(event).body())
+            return
 
 
 async def _whole(
@@ -311,6 +327,20 @@ async def _whole(
                 return JSONResponse(_failure(event).body(), status_code=event.status)
     finally:
         job.cancel.set()
+
+
+async def _body(request: Request) -> bytes:
+    """The request's body, refused with 413 past MAX_BODY_BYTES before more is read."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES >> 20} MiB")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES >> 20} MiB")
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def _failure(event: Failed) -> ApiError:

@@ -156,7 +156,8 @@ def _refuse_unsupported(body: dict[str, Any]) -> None:
 
 
 def _sampling(body: dict[str, Any], defaults: GenerationSettings, *max_names: str) -> Sampling:
-    params = defaults
+    # As OpenAI's API: a sampled reply is drawn afresh unless the request gives a seed.
+    params = replace(defaults, seed=-1)
     limits = {spec.name: spec for spec in schema_fields(GenerationSettings)}
     given_max = next((name for name in max_names if body.get(name) is not None), None)
     fields = [("temperature", "temperature"), ("top_p", "top_p"), ("seed", "seed")]

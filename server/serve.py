@@ -50,7 +50,6 @@ def bind(host: str, port: int) -> socket.socket:
         sock.close()
         raise ServeError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
     sock.listen(128)
-    sock.set_inheritable(True)
     return sock
 
 
@@ -71,8 +70,16 @@ def serve(
 
     worker = EngineWorker(engine, max_waiting)
     api = KvchatApi(worker, model_name, document, api_key)
+
     # On SIGINT/SIGTERM uvicorn waits for open replies; a reply still streaming after that is
     # cancelled, which stops its request in the engine within a chunk or a token.
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            # Open replies end at once (with an error event) instead of when cancelled after
+            # the grace period.
+            worker.cancel_all()
+            super().handle_exit(sig, frame)
+
     config = uvicorn.Config(
         api.app(),
         log_level="warning",
@@ -80,7 +87,7 @@ def serve(
         lifespan="off",
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    server = uvicorn.Server(config)
+    server = Server(config)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     on_ready(f"http://{shown}:{port}/v1")

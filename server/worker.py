@@ -10,6 +10,7 @@ engine within a prefill chunk or a decoded token.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections import deque
@@ -21,6 +22,8 @@ from kvchat.config import GenerationSettings
 from kvchat.core.cancel import Cancelled
 from kvchat.core.engine import Engine
 from kvchat.core.errors import USER_ERRORS
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -137,6 +140,12 @@ class EngineWorker:
                 "served": self.served,
             }
 
+    def cancel_all(self) -> None:
+        """Cancel the running and waiting requests: each reply ends with an error event."""
+        with self._lock:
+            for job in (*self._waiting, *filter(None, [self._running])):
+                job.cancel.set()
+
     def close(self) -> None:
         with self._lock:
             self._closed = True
@@ -173,47 +182,39 @@ class EngineWorker:
             job.emit(done)
         except Cancelled:
             outcome["status"] = "cancelled"
+            # Ends the reply of a client still there (the server is stopping); nobody reads
+            # it after a disconnect.
+            job.emit(Failed(503, "the request was cancelled: the server is stopping"))
         except USER_ERRORS as e:
             outcome["status"] = "refused"
             job.emit(Failed(400, str(e)))
         except Exception as e:  # the request fails; the server goes on serving
+            _log.exception("request failed")
             outcome["status"] = "failed"
             job.emit(Failed(500, f"the engine failed: {type(e).__name__}: {e}"))
         outcome["seconds"] = round(time.monotonic() - started, 3)
         self.last = outcome
 
     def _generate(self, job: Job, outcome: dict[str, Any]) -> Done:
-        engine, session = self.engine, self.engine.session
-        params, ids = job.params, job.prompt
-        engine.check_fits(len(ids), params.max_new_tokens)
-        session.prepare(len(ids) + params.max_new_tokens)
+        session, params, ids = self.engine.session, job.params, job.prompt
 
         def progress(processed: int, total: int) -> None:
             job.emit(Progress(processed, total, len(ids) - total))
 
-        prefilled = session.sync(ids, progress, job.cancel)
-        cached = len(ids) - prefilled
-        if job.cancel.is_set():
-            raise Cancelled("cancelled after the prefill")
-        decoder = engine.tokenizer.stream_decoder()
-        eos = set(engine.tokenizer.eos_ids)
         scanner = StopScanner(job.stop)
-        finish = "length"
         n = 0
-        for token in session.generate(params, job.cancel):
-            if token in eos:
-                finish = "stop"
-                break
+        for _, text in session.reply(ids, params, progress, job.cancel):
             n += 1
             outcome["completion_tokens"] = n
-            text = scanner.push(decoder.push(token))
-            if text:
+            if text := scanner.push(text):
                 job.emit(Text(text))
             if scanner.stopped:
-                finish = "stop"
                 break
         if job.cancel.is_set():
-            raise Cancelled("cancelled while generating")
-        if not scanner.stopped and (rest := scanner.push(decoder.flush()) + scanner.flush()):
+            raise Cancelled("cancelled")
+        if rest := scanner.flush():
             job.emit(Text(rest))
-        return Done(finish, len(ids), n, cached)
+        full = len(session.tokens) + 1 > self.engine.settings.long_context.max_seq_len
+        ended = scanner.stopped or (n < params.max_new_tokens and not full)
+        cached = len(ids) - session.last_prefill.prefilled
+        return Done("stop" if ended else "length", len(ids), n, cached)

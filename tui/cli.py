@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import BinaryIO, TextIO
+from typing import TYPE_CHECKING, BinaryIO, TextIO
 
 import argcomplete
 
@@ -52,6 +52,10 @@ from kvchat.server.serve import (
     DEFAULT_PORT,
     ServeError,
 )
+
+if TYPE_CHECKING:  # imported where they run: torch loads only for the commands that use it
+    from kvchat.core.conversation import Conversation
+    from kvchat.core.engine import Engine
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -190,7 +194,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine.check_fits(len(prefix), engine.settings.generation.max_new_tokens)
         session = engine.new_session(conversation)
         _print_prefill_report(session.prefill_document(prefix, ProgressLine("prefill")))
-    print(f"kvchat: {engine.compute_summary()}", file=sys.stderr)
+    else:  # reading a document says it
+        print(f"kvchat: {engine.compute_summary()}", file=sys.stderr)
     model_name = args.model or engine.settings.model.path
 
     def ready(url: str) -> None:
@@ -201,7 +206,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _read_conversation(engine, paths: Sequence[str], verbose: bool):
+def _read_conversation(engine: Engine, paths: Sequence[str], verbose: bool) -> Conversation:
     """A conversation over the document at `paths` (read up to what a fit could hold: a
     refusal then names the exact settings that fit)."""
     from kvchat.core.conversation import Conversation
@@ -221,7 +226,7 @@ def _read_conversation(engine, paths: Sequence[str], verbose: bool):
     return Conversation(document_ids=ids, document_name=doc.name)
 
 
-def _fit(engine, n_prompt: int, name: str | None, apply: bool) -> None:
+def _fit(engine: Engine, n_prompt: int, name: str | None, apply: bool) -> None:
     """Make the settings hold a prompt of `n_prompt` tokens and its reply: with `apply`, by
     the fit (core/fit.py); otherwise refuse, naming the --set options that fit."""
     if (fit := engine.fit(n_prompt)) is None:

@@ -241,8 +241,9 @@ def test_listening_beyond_loopback_needs_an_api_key(tmp_path):
     assert done.stderr.count("\n") == 1 and "--api-key" in done.stderr
 
 
-def test_the_server_stops_promptly_while_a_reply_streams(tmp_path):
-    with (tmp_path / "server.log").open("w") as log:
+def test_the_server_stops_promptly_and_quietly_while_a_reply_streams(tmp_path):
+    log_path = tmp_path / "server.log"
+    with log_path.open("w") as log:
         served = start_server(
             ["--set", "long_context.max_seq_len=4096"],
             log,
@@ -254,7 +255,30 @@ def test_the_server_stops_promptly_while_a_reply_streams(tmp_path):
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
             started = time.monotonic()
-            served.process.terminate()  # SIGTERM, as a service manager stops it
-            # uvicorn shuts down, then ends the process by the signal it caught.
-            assert served.process.wait(timeout=30) in (0, -signal.SIGTERM)
+            served.process.send_signal(signal.SIGINT)  # Ctrl-C
+            returncode = served.process.wait(timeout=30)
     assert time.monotonic() - started < 15
+    assert returncode in (130, -signal.SIGINT)
+    said = log_path.read_text()
+    assert "Traceback" not in said, said[-4000:]
+
+
+def test_a_sampled_reply_is_drawn_afresh_unless_the_request_gives_a_seed(server):
+    client = server.client()
+
+    def sample(**seed: int) -> str:
+        messages = [{"role": "user", "content": "Write a line about the sea."}]
+        reply = client.chat.completions.create(
+            model="m", messages=messages, temperature=1.5, max_tokens=32, **seed
+        )
+        return reply.choices[0].message.content
+
+    assert sample(seed=7) == sample(seed=7)
+    assert len({sample(), sample(), sample()}) > 1
+
+
+def test_a_body_past_the_limit_is_refused_unread(server):
+    with server.http() as http:
+        response = http.post(f"{server.url}/completions", content=b"x" * (65 << 20))
+    assert response.status_code == 413
+    assert "64 MiB" in response.json()["error"]["message"]
