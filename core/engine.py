@@ -486,16 +486,32 @@ class Session:
         on_progress: ProgressFn | None = None,
         cancel: threading.Event | None = None,
     ) -> Iterator[tuple[int, str]]:
-        """Prefill what the cache lacks of the prompt `ids`, then yield each reply token with
-        the text it completes (often "", mid-character) until the end-of-turn token (not
-        yielded), max_new_tokens, a full context or `cancel`. Refused before any work when
-        the prompt and its reply do not fit."""
-        engine = self.engine
-        engine.check_fits(len(ids), params.max_new_tokens)
+        """prefill_prompt, then stream_reply."""
+        self.prefill_prompt(ids, params, on_progress, cancel)
+        yield from self.stream_reply(params, cancel)
+
+    def prefill_prompt(
+        self,
+        ids: Sequence[int],
+        params: GenerationSettings,
+        on_progress: ProgressFn | None = None,
+        cancel: threading.Event | None = None,
+    ) -> None:
+        """Prefill what the cache lacks of the prompt `ids`; refused before any work when the
+        prompt and its reply do not fit."""
+        self.engine.check_fits(len(ids), params.max_new_tokens)
         self.prepare(len(ids) + params.max_new_tokens)
         self.sync(ids, on_progress, cancel)
-        decoder = engine.tokenizer.stream_decoder()
-        eos = set(engine.tokenizer.eos_ids)
+
+    def stream_reply(
+        self, params: GenerationSettings, cancel: threading.Event | None = None
+    ) -> Iterator[tuple[int, str]]:
+        """Each reply token after the prefilled prompt with the text it completes (often "",
+        mid-character), until the end-of-turn token (not yielded), max_new_tokens, a full
+        context or `cancel`."""
+        tokenizer = self.engine.tokenizer
+        decoder = tokenizer.stream_decoder()
+        eos = set(tokenizer.eos_ids)
         for token in self.generate(params, cancel):
             if token in eos:
                 return
@@ -546,9 +562,11 @@ class Session:
         params = params or engine.settings.generation
         before = replace(self._conversation, messages=self._conversation.messages[:kept])
         ids = before.prompt_ids(engine.tokenizer, question)
+        # A refusal or a stop before the prompt is prefilled leaves the conversation as it was.
+        self.prefill_prompt(ids, params, on_progress, cancel)
         pieces: list[str] = []
         try:
-            for _, text in self.reply(ids, params, on_progress, cancel):
+            for _, text in self.stream_reply(params, cancel):
                 if text:
                     pieces.append(text)
                     yield text
