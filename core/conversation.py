@@ -27,6 +27,10 @@ class Conversation:
     document_name: str | None = None
     messages: list[dict[str, str]] = field(default_factory=list)  # user/assistant turns
 
+    @property
+    def has_document(self) -> bool:
+        return bool(self.document_ids)
+
     def _template_messages(
         self, tokenizer: Tokenizer, pending_question: str | None
     ) -> list[dict[str, str]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import gc
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import BinaryIO
@@ -60,9 +60,9 @@ from .snapshot import (
 )
 from .sources import read_sources
 from .tokenizer import Tokenizer, TooManyTokensError, load_tokenizer
+from .turns import ProgressFn, Turns
 from .weights import load_weights, resolve_model_path
 
-ProgressFn = Callable[[int, int], None]
 EFFECTS = ("live", "cache", "reload")
 
 
@@ -92,8 +92,25 @@ class ApplyResult:
     reload: tuple[str, ...]
 
 
+class Rates:
+    """Prefill and decode rates from a stats record's token counts and seconds."""
+
+    prefill_tokens: int
+    prefill_seconds: float
+    decode_tokens: int
+    decode_seconds: float
+
+    @property
+    def prefill_tok_s(self) -> float:
+        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
+
+    @property
+    def decode_tok_s(self) -> float:
+        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
+
+
 @dataclass(frozen=True)
-class EngineStats:
+class EngineStats(Rates):
     model: str
     architecture: str
     device: str
@@ -113,14 +130,6 @@ class EngineStats:
     rss_bytes: int
     available_bytes: int  # host memory this process can still take (core/memory.py)
     gpu: GpuMemory | None  # the CUDA device's memory, all processes; None elsewhere
-
-    @property
-    def prefill_tok_s(self) -> float:
-        return self.prefill_tokens / self.prefill_seconds if self.prefill_seconds else 0.0
-
-    @property
-    def decode_tok_s(self) -> float:
-        return self.decode_tokens / self.decode_seconds if self.decode_seconds else 0.0
 
 
 class Throughput:
@@ -155,56 +164,17 @@ class Throughput:
         self.decode = (tokens, seconds)
 
 
-class Session:
+class Session(Turns[Conversation]):
     """The token history of one conversation and the KV cache that holds it."""
 
     def __init__(self, engine: Engine, conversation: Conversation | None = None) -> None:
+        super().__init__(conversation if conversation is not None else Conversation())
         self.engine = engine
         self._cache: AttentionBackend | None = None
         self._built_with: LongContextSettings | None = None  # the settings of _cache
         self.tokens: list[int] = []
-        self._conversation = conversation if conversation is not None else Conversation()
-        self._answer_count = 0
         self._logits: torch.Tensor | None = None  # logits after the last cached token
         self.last_prefill = PrefillReport()  # what the last sync computed, loaded, warned
-
-    @property
-    def conversation(self) -> Conversation:
-        """The conversation, to read: the Session's own methods change it."""
-        return self._conversation
-
-    @property
-    def messages(self) -> list[dict[str, str]]:
-        """A copy of the conversation's user and assistant turns, in order."""
-        return [dict(m) for m in self._conversation.messages]
-
-    @property
-    def system(self) -> str | None:
-        return self._conversation.system
-
-    def set_system(self, prompt: str | None) -> None:
-        """Set (None or empty: clear) the system prompt. It comes first, so the next question
-        prefills the whole context again."""
-        self._conversation.system = prompt or None
-
-    @property
-    def has_document(self) -> bool:
-        return bool(self._conversation.document_ids)
-
-    @property
-    def answer_count(self) -> int:
-        """How many answers `ask` and `regenerate` put into the conversation (each counts once
-        its decoding begins): a turn that leaves it unchanged got no answer."""
-        return self._answer_count
-
-    def clear(self) -> None:
-        """Start a new conversation with the same system prompt and document, without the
-        turns. The cache stays: the next question shares the document prefix with it, so only
-        the question is prefilled."""
-        old = self._conversation
-        self._conversation = Conversation(
-            system=old.system, document_ids=old.document_ids, document_name=old.document_name
-        )
 
     @property
     def logits(self) -> torch.Tensor | None:
@@ -479,17 +449,6 @@ class Session:
             self.tokens.append(token)
             engine.throughput.record_decode(len(reply), time.perf_counter() - started)
 
-    def reply(
-        self,
-        ids: Sequence[int],
-        params: GenerationSettings,
-        on_progress: ProgressFn | None = None,
-        cancel: threading.Event | None = None,
-    ) -> Iterator[tuple[int, str]]:
-        """prefill_prompt, then stream_reply."""
-        self.prefill_prompt(ids, params, on_progress, cancel)
-        yield from self.stream_reply(params, cancel)
-
     def prefill_prompt(
         self,
         ids: Sequence[int],
@@ -517,63 +476,18 @@ class Session:
                 return
             yield token, decoder.push(token)
 
-    def ask(
+    def _reply(
         self,
+        before: Conversation,
         question: str,
-        params: GenerationSettings | None = None,
-        on_progress: ProgressFn | None = None,
-        cancel: threading.Event | None = None,
-    ) -> Iterator[str]:
-        """One chat turn: prefill what is new, then stream the reply as text pieces."""
-        kept = len(self._conversation.messages)
-        yield from self._answer(question, kept, params, on_progress, cancel)
-
-    def regenerate(
-        self,
-        params: GenerationSettings | None = None,
-        on_progress: ProgressFn | None = None,
-        cancel: threading.Event | None = None,
-    ) -> Iterator[str]:
-        """Answer the last question again, in place of its reply; streams the new reply as
-        text pieces. The old turn stays until decoding begins, so a regeneration stopped or
-        refused before that leaves the conversation as it was. The cache still holds the
-        prompt before the old reply: only its last token is prefilled again. When sampling,
-        a new seed: the same one would draw the same reply."""
-        messages = self._conversation.messages
-        if len(messages) < 2:
-            raise ValueError("nothing to regenerate: no question has an answer yet")
-        params = params or self.engine.settings.generation
-        if params.temperature > 0:
-            params = replace(params, seed=-1)
-        kept = len(messages) - 2
-        yield from self._answer(messages[kept]["content"], kept, params, on_progress, cancel)
-
-    def _answer(
-        self,
-        question: str,
-        kept: int,
-        params: GenerationSettings | None,
+        params: GenerationSettings,
         on_progress: ProgressFn | None,
         cancel: threading.Event | None,
     ) -> Iterator[str]:
-        """Answer `question` after the first `kept` turns of the conversation; once decoding
-        begins, the new turn takes the place of any turns after them."""
-        engine = self.engine
-        params = params or engine.settings.generation
-        before = replace(self._conversation, messages=self._conversation.messages[:kept])
-        ids = before.prompt_ids(engine.tokenizer, question)
-        # A refusal or a stop before the prompt is prefilled leaves the conversation as it was.
+        """Prefill the prompt (a refusal or a stop raises here), then stream the reply."""
+        ids = before.prompt_ids(self.engine.tokenizer, question)
         self.prefill_prompt(ids, params, on_progress, cancel)
-        pieces: list[str] = []
-        try:
-            for _, text in self.stream_reply(params, cancel):
-                if text:
-                    pieces.append(text)
-                    yield text
-        finally:
-            del self._conversation.messages[kept:]
-            self._conversation.add_turn(question, "".join(pieces))
-            self._answer_count += 1
+        return (text for _, text in self.stream_reply(params, cancel) if text)
 
 
 class Engine:

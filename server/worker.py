@@ -203,7 +203,8 @@ class EngineWorker:
 
         scanner = StopScanner(job.stop)
         n = 0
-        for _, text in session.reply(ids, params, progress, job.cancel):
+        session.prefill_prompt(ids, params, progress, job.cancel)
+        for _, text in session.stream_reply(params, job.cancel):
             n += 1
             outcome["completion_tokens"] = n
             if text := scanner.push(text):
