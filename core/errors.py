@@ -6,6 +6,7 @@ let anything else surface as the bug it is.
 
 from __future__ import annotations
 
+from kvchat.client.http import ServerError
 from kvchat.config import ConfigError
 from kvchat.native.cpu import CpuLevelError
 
@@ -27,4 +28,5 @@ USER_ERRORS: tuple[type[Exception], ...] = (
     SnapshotError,
     CpuLevelError,
     HistoryError,
+    ServerError,
 )

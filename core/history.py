@@ -61,7 +61,7 @@ class SavedDocument:
     path: str  # absolute, as it was when loaded
     name: str
     size_bytes: int
-    tokens: int
+    tokens: int | None  # None: read by a server that did not say
     sha256: str
 
 
@@ -274,9 +274,8 @@ def to_markdown(conversation: SavedConversation) -> str:
     doc = conversation.document
     if doc is not None:
         paths = ", ".join(f"`{path}`" for path in doc.path.split("\n"))  # one a line, if several
-        lines.append(
-            f"- document: {doc.name} ({doc.size_bytes:,} bytes, {doc.tokens:,} tokens), {paths}"
-        )
+        tokens = "" if doc.tokens is None else f", {doc.tokens:,} tokens"
+        lines.append(f"- document: {doc.name} ({doc.size_bytes:,} bytes{tokens}), {paths}")
     if conversation.system:
         lines += ["", "## System prompt", "", conversation.system]
     for message in conversation.messages:

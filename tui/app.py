@@ -30,6 +30,8 @@ from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.widgets import Footer
 
+from kvchat.client.engine import RemoteEngine
+from kvchat.client.stats import ServerStats, reported
 from kvchat.config import (
     ConfigError,
     KeySettings,
@@ -109,15 +111,18 @@ class KvchatApp(App[None]):
         self,
         settings: Settings,
         *,
-        engine: Engine | None = None,
+        engine: Engine | RemoteEngine | None = None,
         model_spec: str | None = None,
+        steps: bridge.Steps | None = None,
         paths: Sequence[str | Path] = (),
         stdin: BinaryIO | None = None,
         config_path: Path | None = None,
         notices: Sequence[str] = (),
     ) -> None:
         """`engine`: an already loaded engine to use (tests share one); else the app loads
-        `model_spec` (default settings.model.path) in its worker at start. `paths`: the
+        `model_spec` (default settings.model.path) in its worker at start. `steps`: how the
+        engine is loaded and fed (default: here; remote_steps.RemoteSteps: on a server, where
+        `model_spec` names the server's model). `paths`: the
         document to load once the model is ready; `stdin`: what "-" among them reads. The
         settings screen saves to `config_path` (default: the user's config file). `notices`
         (settings warnings, files moved) show as notifications once the app is up."""
@@ -128,6 +133,7 @@ class KvchatApp(App[None]):
         self.set_keymap(asdict(settings.keys))
         self.engine = engine
         self.model_spec = model_spec
+        self.steps: bridge.Steps = steps or bridge.LocalSteps()
         self.paths = list(paths)
         self.stdin = stdin
         self.state = "loading model…" if engine is None else READY
@@ -173,8 +179,8 @@ class KvchatApp(App[None]):
         for problem in prompt_clashes(self.settings.keys):
             self.notify(f"{self.config_path}: {problem}", severity="warning")
         if self.engine is None:
-            settings, spec = self.settings, self.model_spec
-            self._engine_worker("model", lambda: bridge.load_model(settings, spec, self.post))
+            settings, spec, steps = self.settings, self.model_spec, self.steps
+            self._engine_worker("model", lambda: steps.load_model(settings, spec, self.post))
         else:
             self.engine.new_session()  # a new app starts a new chat, even on a shared engine
             self._after_model()
@@ -372,7 +378,7 @@ class KvchatApp(App[None]):
         self.start_step(
             "document",
             f"loading {names}",
-            lambda cancel: bridge.load_document(engine, paths, self.post, cancel, stdin),  # type: ignore[arg-type]
+            lambda cancel: self.steps.load_document(engine, paths, self.post, cancel, stdin),
         )
 
     def ask(self, turn: Turn) -> bool:
@@ -582,7 +588,7 @@ class KvchatApp(App[None]):
         self.start_step(
             "resume",
             f"resuming {saved.title}",
-            lambda cancel: bridge.resume(engine, saved, self.post, cancel),  # type: ignore[arg-type]
+            lambda cancel: self.steps.resume(engine, saved, self.post, cancel),
         )
 
     async def on_conversation_resumed(self, message: ConversationResumed) -> None:
@@ -682,12 +688,13 @@ class KvchatApp(App[None]):
         await self.query_one("#chat", ChatPane).add_note(note)
 
     def action_model(self, spec: str = "") -> None:
-        """Load another model (empty: the one the settings name) in place of this one."""
-        settings, spec = self.settings, spec or self.settings.model.path
+        """Load another model (empty: the one the settings name; on a server, the first it
+        lists) in place of this one."""
+        settings, steps = self.settings, self.steps
         self.start_step(
             "model",
-            f"loading model {spec}",
-            lambda cancel: bridge.load_model(settings, spec, self.post),
+            f"loading model {spec}" if spec else "loading the model",
+            lambda cancel: steps.load_model(settings, spec or None, self.post),
             needs_engine=False,
         )
 
@@ -782,12 +789,13 @@ class KvchatApp(App[None]):
         except NoMatches:
             pass  # the timer fired while the app was shutting down and its widgets are gone
 
-    def show_stats(self, stats: EngineStats) -> None:
+    def show_stats(self, stats: EngineStats | ServerStats) -> None:
         self.query_one("#status", StatusLine).show(self.state, stats)
         if self.query_one("#side").display:
             for panel in self.query(Panel):
                 panel.show(stats)
-            self.query_one("#heatmap", SelectionHeatmap).show(stats.cache)
+            engine = reported(stats)
+            self.query_one("#heatmap", SelectionHeatmap).show(engine and engine.cache)
 
 
 def system_note(prompt: str) -> str:

@@ -13,10 +13,11 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, Protocol
 
 from textual.message import Message
 
+from kvchat.client.engine import RemoteConversation, RemoteEngine
 from kvchat.config import Settings
 from kvchat.core.cancel import Cancelled
 from kvchat.core.conversation import Conversation
@@ -46,6 +47,7 @@ from .messages import (
 )
 
 Post = Callable[[Message], object]
+AnyEngine = Engine | RemoteEngine  # a model in this process, or on a server
 
 
 TOKEN_INTERVAL_S = 0.05
@@ -90,6 +92,26 @@ def progress_reporter(
         post(Progress(phase, done, total, now - started))
 
     return report
+
+
+class Steps(Protocol):
+    """The steps that differ between a model run here and one on a server (remote_steps.py);
+    the app picks its steps once, at start. Answering is the same for both (`ask`)."""
+
+    def load_model(self, settings: Settings, model_spec: str | None, post: Post) -> str: ...
+
+    def load_document(
+        self,
+        engine: Any,
+        paths: Sequence[str | Path],
+        post: Post,
+        cancel: threading.Event,
+        stdin: BinaryIO | None = None,
+    ) -> str: ...
+
+    def resume(
+        self, engine: Any, saved: SavedConversation, post: Post, cancel: threading.Event
+    ) -> str: ...
 
 
 def run_step(kind: str, post: Post, cancel: threading.Event, body: Callable[[], str]) -> None:
@@ -140,27 +162,48 @@ def resume(engine: Engine, saved: SavedConversation, post: Post, cancel: threadi
     document when its files are still there and unchanged (reloaded like `load_document`),
     else without it. The next question prefills what the cache does not hold yet."""
     history = Conversation(system=saved.system, messages=saved.turns())
-    doc, problem = None, ""
-    if saved.document is not None:
-        paths = saved.document.path.split("\n")
-        if STDIN in paths:
-            problem = "it came from standard input, which cannot be read again"
-        else:
-            try:
-                doc = engine.read_document(*paths, fitting=True)
-            except (DocumentError, PlanRefusedError) as e:
-                problem = str(e)
-            else:
-                if doc.sha256 != saved.document.sha256:
-                    what = "its files" if doc.files else "the file"
-                    doc, problem = None, f"{', '.join(paths)}: {what} changed since then"
+    return resume_with(
+        engine,
+        saved,
+        history,
+        post,
+        lambda doc, announce: _open_document(engine, doc, history, post, cancel, announce),
+    )
+
+
+def resume_with(
+    engine: AnyEngine,
+    saved: SavedConversation,
+    history: Conversation | RemoteConversation,
+    post: Post,
+    open_document: Callable[[Document, Callable[[DocumentInfo], Message]], str],
+) -> str:
+    """Resume `saved` as `history`: over its document, read again, by `open_document`, or
+    without it when it cannot be (the conversation says why)."""
+    doc, problem = _saved_document(engine, saved)
     if doc is not None:
-        return _open_document(
-            engine, doc, history, post, cancel, lambda info: ConversationResumed(saved, info, "")
-        )
-    engine.new_session(history)
+        return open_document(doc, lambda info: ConversationResumed(saved, info, ""))
+    engine.new_session(history)  # type: ignore[arg-type]
     post(ConversationResumed(saved, None, problem))
     return f"resumed “{saved.title}”" + (" without its document" if problem else "")
+
+
+def _saved_document(engine: AnyEngine, saved: SavedConversation) -> tuple[Document | None, str]:
+    """The document of `saved`, read again; None with the reason when there is none to read:
+    no document, from standard input, gone, or changed since."""
+    if saved.document is None:
+        return None, ""
+    paths = saved.document.path.split("\n")
+    if STDIN in paths:
+        return None, "it came from standard input, which cannot be read again"
+    try:
+        doc = engine.read_document(*paths, fitting=True)
+    except (DocumentError, PlanRefusedError) as e:
+        return None, str(e)
+    if doc.sha256 != saved.document.sha256:
+        what = "its files" if doc.files else "the file"
+        return None, f"{', '.join(paths)}: {what} changed since then"
+    return doc, ""
 
 
 def _open_document(
@@ -200,17 +243,7 @@ def open_pending(
     prefix = candidate.document_prefix_ids(engine.tokenizer)
     engine.check_fits(len(prefix), engine.settings.generation.max_new_tokens)
     session = engine.new_session(replace(candidate, messages=list(history.messages)))
-    info = DocumentInfo(
-        doc.name,
-        doc.size_bytes,
-        len(ids),
-        _head(doc.text),
-        _saved_paths(doc),
-        doc.sha256,
-        len(doc.files),
-        doc.skipped,
-    )
-    post(pending.announce(info))
+    post(pending.announce(document_info(doc, len(ids))))
     report = progress_reporter(post, "prefill")
     report(0, len(prefix))
     prefill = session.prefill_document(prefix, report, cancel)
@@ -223,6 +256,20 @@ def _candidate(pending: PendingDocument) -> Conversation:
     """The conversation over `pending`'s document before its turns: what its prefill holds."""
     return Conversation(
         system=pending.history.system, document_ids=pending.ids, document_name=pending.doc.name
+    )
+
+
+def document_info(doc: Document, tokens: int | None) -> DocumentInfo:
+    """What the chat shows of `doc` and a saved conversation keeps of it."""
+    return DocumentInfo(
+        doc.name,
+        doc.size_bytes,
+        tokens,
+        _head(doc.text),
+        _saved_paths(doc),
+        doc.sha256,
+        len(doc.files),
+        doc.skipped,
     )
 
 
@@ -246,14 +293,14 @@ def _ready(name: str, n_tokens: int, prefill: PrefillReport) -> str:
     return text
 
 
-def ask(engine: Engine, question: str, post: Post, cancel: threading.Event) -> str:
+def ask(engine: AnyEngine, question: str, post: Post, cancel: threading.Event) -> str:
     """Answer `question` as a new turn, posting the reply as it comes."""
     on_progress = progress_reporter(post, "prefill")
     _stream(engine.session.ask(question, on_progress=on_progress, cancel=cancel), post)
     return ""
 
 
-def regenerate(engine: Engine, post: Post, cancel: threading.Event) -> str:
+def regenerate(engine: AnyEngine, post: Post, cancel: threading.Event) -> str:
     """Answer the last question again in place of its reply, posting the new one as it
     comes."""
     on_progress = progress_reporter(post, "prefill")
@@ -285,3 +332,11 @@ def _head(text: str, n_lines: int = CARD_LINES, width: int = CARD_LINE_CHARS) ->
             if len(lines) == n_lines:
                 break
     return "\n".join(lines)
+
+
+class LocalSteps:
+    """A model loaded in this process."""
+
+    load_model = staticmethod(load_model)
+    load_document = staticmethod(load_document)
+    resume = staticmethod(resume)

@@ -610,10 +610,42 @@ def _add_common_options(parser: argparse.ArgumentParser, default: object) -> Non
     )
 
 
+def _add_server_options(parser: argparse.ArgumentParser, default: object) -> None:
+    parser.add_argument(
+        "--server",
+        metavar="URL",
+        default=default,
+        help="the app: chat with the model of an OpenAI-compatible server (kvchat serve, "
+        "llama-server, vLLM, SGLang, Ollama), e.g. http://127.0.0.1:8000/v1; --model names "
+        "the server's model (default: the first it lists)",
+    )
+    parser.add_argument(
+        "--api-key",
+        metavar="KEY",
+        default=default,
+        help=f"the app with --server: send Authorization: Bearer KEY (default: ${API_KEY_ENV})",
+    )
+
+
+def _steps(args: argparse.Namespace):  # noqa: ANN202 - bridge.Steps, imported with the app
+    """How the app runs its model: here, or on the server --server names."""
+    from kvchat.client.http import OpenAIServer, ServerError
+    from kvchat.tui.bridge import LocalSteps
+    from kvchat.tui.remote_steps import RemoteSteps
+
+    if args.server is None:
+        if args.api_key is not None:
+            raise ServerError("--api-key is for --server (kvchat serve takes it after serve)")
+        return LocalSteps()
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    return RemoteSteps(OpenAIServer(args.server, api_key))
+
+
 def cmd_app(args: argparse.Namespace) -> int:
     """The Textual app (the default when no subcommand is given)."""
     from kvchat.tui.app import KvchatApp
 
+    steps = _steps(args)
     loaded = _load(args)
     for warning in loaded.warnings:
         print(f"kvchat: warning: {warning}", file=sys.stderr)
@@ -630,6 +662,7 @@ def cmd_app(args: argparse.Namespace) -> int:
     KvchatApp(
         loaded.settings,
         model_spec=args.model,
+        steps=steps,
         paths=paths,
         stdin=stdin,
         config_path=loaded.path,
@@ -721,6 +754,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="the app: load this document at start (or: kvchat PATH)",
     )
+    _add_server_options(parser, default=None)
     parser.set_defaults(paths=[])
     common = argparse.ArgumentParser(add_help=False)
     _add_common_options(common, default=argparse.SUPPRESS)
@@ -733,6 +767,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     paths = sub.add_parser(_CommandOrPaths.PATHS, parents=[common], prog=parser.prog)
     paths.add_argument("paths", nargs="+", metavar="PATH")
+    _add_server_options(paths, default=argparse.SUPPRESS)
     paths.set_defaults(command=None)
 
     ask = sub.add_parser("ask", parents=[common], help="answer one question about a file, headless")

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from textual.message import Message
 
+from kvchat.client.engine import RemoteEngine
 from kvchat.core.conversation import Conversation
 from kvchat.core.documents import Document, Skipped
 from kvchat.core.engine import Engine
@@ -23,7 +24,7 @@ LOAD_PHASE = "load model"
 
 
 class ModelLoaded(Message):
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine | RemoteEngine) -> None:
         super().__init__()
         self.engine = engine
 
@@ -50,7 +51,7 @@ class DocumentInfo:
 
     name: str
     size_bytes: int
-    tokens: int
+    tokens: int | None  # None: read by a server that did not say
     head: str  # the first few lines, cut short
     # The paths, absolute, one a line ("-": standard input); with sha256, what a saved
     # conversation reloads on resume.

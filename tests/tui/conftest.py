@@ -66,6 +66,15 @@ async def wait_idle(pilot: Pilot, app: KvchatApp) -> None:
     await pilot.pause()
 
 
+async def send(pilot: Pilot, app: KvchatApp, text: str) -> None:
+    """Type `text` into the prompt and press Enter, then wait for what it started."""
+    prompt = app.query_one("#prompt")
+    prompt.focus()
+    prompt.text = text  # type: ignore[attr-defined]
+    await pilot.press("enter")
+    await wait_idle(pilot, app)
+
+
 def messages(app: KvchatApp, role: str) -> list[ChatMessage]:
     return [m for m in app.query_one(ChatPane).query(ChatMessage) if m.role == role]
 

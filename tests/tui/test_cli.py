@@ -277,9 +277,10 @@ def test_a_kernel_build_is_shown_on_stderr(twice_source, monkeypatch):
     assert "1/1 sources" in lines[1]
 
 
-def test_core_kv_and_the_server_do_not_import_textual():
+def test_core_kv_the_server_and_the_client_do_not_import_textual():
     code = (
-        "import sys, kvchat.core.engine, kvchat.bench.speed, kvchat.kv.dense, kvchat.server.app;"
+        "import sys, kvchat.core.engine, kvchat.bench.speed, kvchat.kv.dense, kvchat.server.app,"
+        " kvchat.client.engine;"
         "bad = [m for m in sys.modules if m == 'textual' or m.startswith('textual.')];"
         "print(bad); sys.exit(1 if bad else 0)"
     )

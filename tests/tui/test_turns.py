@@ -20,7 +20,7 @@ from kvchat.tui.app import KvchatApp
 from kvchat.tui.messages import Progress
 from kvchat.tui.widgets.chat import ChatMessage, ChatPane
 
-from .conftest import notifications, wait_idle
+from .conftest import notifications, send, wait_idle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("home")]
 
@@ -63,15 +63,6 @@ class StopsDuringPrefill(KvchatApp):
             self.stop_next_prefill = False
             self.call_from_thread(self.action_stop)
         super().post(message)
-
-
-async def send(pilot: Pilot, app: KvchatApp, text: str) -> None:
-    """Type `text` into the prompt and press Enter, then wait for what it started."""
-    prompt = app.query_one("#prompt")
-    prompt.focus()
-    prompt.text = text  # type: ignore[attr-defined]
-    await pilot.press("enter")
-    await wait_idle(pilot, app)
 
 
 async def stop_during_prefill(pilot: Pilot, app: StopsDuringPrefill, question: str) -> None:

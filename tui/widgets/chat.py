@@ -158,11 +158,12 @@ def document_card(info: DocumentInfo) -> str:
     """The card that stands for a document in the chat: never the whole text. A folder's (or
     several paths') says how many files it read and names what it left out."""
     head = info.head.replace("```", "ʼʼʼ")  # keep the preview inside its code fence
+    tokens = [] if info.tokens is None else [f"{info.tokens:,} tokens"]
     if not info.files:
-        facts = f"{human_bytes(info.size_bytes)}, {info.tokens:,} tokens"
+        facts = ", ".join([human_bytes(info.size_bytes), *tokens])
     else:
         files = f"{info.files:,} file" + ("" if info.files == 1 else "s")
-        parts = [files, f"{info.tokens:,} tokens", human_bytes(info.size_bytes)]
+        parts = [files, *tokens, human_bytes(info.size_bytes)]
         if info.skipped:
             parts.append(skip_summary(info.skipped))
         facts = " · ".join(parts)

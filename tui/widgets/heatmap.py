@@ -17,6 +17,8 @@ from kvchat.kv.backend import CacheStats
 GLYPHS = {(False, False): " ", (True, False): "▀", (False, True): "▄", (True, True): "█"}
 LIT = Style(color="rgb(255,170,60)", bgcolor="rgb(40,40,48)")
 DENSE = Style(color="rgb(90,140,220)", bgcolor="rgb(40,40,48)")
+NO_SELECTIONS = "no block selections (dense attention or empty cache)"
+NOT_REPORTED = "not reported by the server"
 
 
 class SelectionHeatmap(Widget):
@@ -27,12 +29,15 @@ class SelectionHeatmap(Widget):
     def __init__(self, **kwargs: str) -> None:
         super().__init__(**kwargs)
         self.cache: CacheStats | None = None
+        self.empty = NO_SELECTIONS  # the line shown without selections
 
-    def show(self, cache: CacheStats) -> None:
-        if cache == self.cache:
+    def show(self, cache: CacheStats | None) -> None:
+        """`cache` None: the engine runs on a server that does not report its cache."""
+        empty = NOT_REPORTED if cache is None else NO_SELECTIONS
+        if cache == self.cache and empty == self.empty:
             return
-        self.cache = cache
-        self.styles.height = max(1, (len(cache.layers) + 1) // 2)
+        self.cache, self.empty = cache, empty
+        self.styles.height = max(1, (len(cache.layers) + 1) // 2) if cache is not None else 1
         self.refresh()
 
     def n_blocks(self) -> int:
@@ -56,7 +61,7 @@ class SelectionHeatmap(Widget):
         cache = self.cache
         n_blocks = self.n_blocks()
         if cache is None or not cache.layers or n_blocks == 0 or width == 0:
-            text = "no block selections (dense attention or empty cache)" if y == 0 else ""
+            text = self.empty if y == 0 else ""
             return Strip([Segment(text[:width].ljust(width))])
         top_layer, bottom_layer = 2 * y, 2 * y + 1
         if top_layer >= len(cache.layers):

@@ -8,10 +8,12 @@ from textual.app import ComposeResult
 from textual.containers import Vertical
 from textual.widgets import Sparkline, Static
 
+from kvchat.client.stats import ServerStats, reported
 from kvchat.core.engine import EngineStats
 from kvchat.tui.widgets.chat import human_bytes
 
 SPARK_SAMPLES = 60
+NOT_REPORTED = "not reported by the server"
 
 
 class Panel(Vertical):
@@ -25,15 +27,20 @@ class Panel(Vertical):
         # Plain text: the bodies carry names from the settings and the device, never markup.
         yield Static(classes="panel-body", markup=False)
 
-    def show(self, stats: EngineStats) -> None:
+    def show(self, stats: EngineStats | ServerStats) -> None:
         self.query_one(".panel-body", Static).update(self.body(stats))
 
-    def body(self, stats: EngineStats) -> str:
+    def body(self, stats: EngineStats | ServerStats) -> str:
+        engine = reported(stats)
+        return NOT_REPORTED if engine is None else self.engine_body(engine)
+
+    def engine_body(self, stats: EngineStats) -> str:
         raise NotImplementedError
 
 
 class ThroughputPanel(Panel):
-    """Prefill and decode speed, a sparkline of recent decode speed, time to first token."""
+    """Prefill and decode speed, a sparkline of recent decode speed, time to first token: the
+    engine's own, or as measured here for a server that does not report them."""
 
     def __init__(self, **kwargs: str) -> None:
         super().__init__("throughput", **kwargs)
@@ -44,7 +51,8 @@ class ThroughputPanel(Panel):
         yield from super().compose()
         yield Sparkline([], id="decode-spark")
 
-    def show(self, stats: EngineStats) -> None:
+    def show(self, stats: EngineStats | ServerStats) -> None:
+        stats = reported(stats) or stats
         # Sample only while decoding moves, so the line shows speeds, not idle time.
         if stats.decode_tokens != self._last_decode and stats.decode_tokens:
             self.samples.append(stats.decode_tok_s)
@@ -52,7 +60,7 @@ class ThroughputPanel(Panel):
         self.query_one(Sparkline).data = list(self.samples)
         super().show(stats)
 
-    def body(self, stats: EngineStats) -> str:
+    def body(self, stats: EngineStats | ServerStats) -> str:
         ttft = "—" if stats.time_to_first_token is None else f"{stats.time_to_first_token:.2f} s"
         return (
             f"prefill {stats.prefill_tok_s:8.0f} tok/s ({stats.prefill_tokens:,} tok)\n"
@@ -67,7 +75,7 @@ class DramPanel(Panel):
     def __init__(self, **kwargs: str) -> None:
         super().__init__("DRAM blocks", **kwargs)
 
-    def body(self, stats: EngineStats) -> str:
+    def engine_body(self, stats: EngineStats) -> str:
         c = stats.cache
         memory = (
             f"process {human_bytes(stats.rss_bytes)}, free {human_bytes(stats.available_bytes)}"
@@ -89,7 +97,7 @@ class DeviceWindowPanel(Panel):
     def __init__(self, **kwargs: str) -> None:
         super().__init__("device window", **kwargs)
 
-    def body(self, stats: EngineStats) -> str:
+    def engine_body(self, stats: EngineStats) -> str:
         c = stats.cache
         gpu = stats.gpu
         used = (

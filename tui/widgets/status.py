@@ -7,6 +7,7 @@ from textual.containers import Horizontal
 from textual.content import Content
 from textual.widgets import Label, ProgressBar, Static
 
+from kvchat.client.stats import ServerStats, reported
 from kvchat.core.engine import EngineStats
 from kvchat.native import BuildProgress
 from kvchat.tui.messages import LOAD_PHASE
@@ -19,18 +20,23 @@ class StatusLine(Static):
     comes from its file, so brackets in them show as they are.
     """
 
-    def show(self, state: str, stats: EngineStats | None) -> None:
+    def show(self, state: str, stats: EngineStats | ServerStats | None) -> None:
         if stats is None:
             self.update(Content.assemble((state, "bold")))
             return
-        self.update(
-            Content.assemble(
-                (state, "bold"),
-                f" │ {stats.model} │ context {stats.context_tokens:,}/"
-                f"{stats.max_seq_len:,} │ kv {stats.cache.kv_dtype} │ {stats.attention} │ "
-                f"positions {stats.position_mode} │ {stats.device} {stats.dtype}",
+        engine = reported(stats)
+        if engine is None:
+            assert isinstance(stats, ServerStats)
+            facts = f"{stats.model} │ context {stats.context_tokens:,}"
+        else:
+            facts = (
+                f"{engine.model} │ context {engine.context_tokens:,}/"
+                f"{engine.max_seq_len:,} │ kv {engine.cache.kv_dtype} │ {engine.attention} │ "
+                f"positions {engine.position_mode} │ {engine.device} {engine.dtype}"
             )
-        )
+        if isinstance(stats, ServerStats):
+            facts += f" │ on {stats.url}"
+        self.update(Content.assemble((state, "bold"), f" │ {facts}"))
 
 
 class StepProgress(Horizontal):
