@@ -24,18 +24,17 @@ class StatusLine(Static):
         if stats is None:
             self.update(Content.assemble((state, "bold")))
             return
+        # A server's URL comes right after the model: the line is cut at the terminal's edge.
+        where = f" on {stats.url}" if isinstance(stats, ServerStats) else ""
         engine = reported(stats)
         if engine is None:
-            assert isinstance(stats, ServerStats)
-            facts = f"{stats.model} │ context {stats.context_tokens:,}"
+            facts = f"{stats.model}{where} │ context {stats.context_tokens:,}"
         else:
             facts = (
-                f"{engine.model} │ context {engine.context_tokens:,}/"
+                f"{engine.model}{where} │ context {engine.context_tokens:,}/"
                 f"{engine.max_seq_len:,} │ kv {engine.cache.kv_dtype} │ {engine.attention} │ "
                 f"positions {engine.position_mode} │ {engine.device} {engine.dtype}"
             )
-        if isinstance(stats, ServerStats):
-            facts += f" │ on {stats.url}"
         self.update(Content.assemble((state, "bold"), f" │ {facts}"))
 
 
