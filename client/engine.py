@@ -10,8 +10,10 @@ import itertools
 import threading
 import time
 from collections.abc import Generator, Iterator, Sequence
+from contextlib import closing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from threading import Event
 from typing import Any, BinaryIO
 
 from kvchat.config import GenerationSettings, Settings, changed_keys
@@ -19,11 +21,13 @@ from kvchat.core.cancel import Cancelled
 from kvchat.core.documents import Document, DocumentError, DocumentTooLongError
 from kvchat.core.engine import ApplyResult, Throughput
 from kvchat.core.sources import read_sources
-from kvchat.core.turns import ProgressFn, Turns
+from kvchat.core.turns import ProgressFn, ReplyEnd, Turns
 
 from .http import Delta, Finished, OpenAIServer, PromptProgress, ServerError
 from .stats import ServerStats, StatsPoller
 
+# A server's finish_reason: "length" is its max_tokens (or its context) reached.
+FINISH_REASONS = {"stop": ReplyEnd.END_OF_TURN, "length": ReplyEnd.MAX_NEW_TOKENS}
 # A document past this is refused before it is sent: 8x the text of a 1M-token prompt.
 MAX_DOCUMENT_BYTES = 32 << 20
 
@@ -104,29 +108,42 @@ class RemoteSession(Turns[RemoteConversation]):
         engine, throughput = self.engine, self.engine.throughput
         throughput.begin_prefill()
         throughput.begin_decode()
-        started, first, pieces = time.perf_counter(), None, 0
-        body = engine.request(messages, params)
-        for event in engine.server.stream_chat(body, cancel or threading.Event()):
-            if isinstance(event, PromptProgress):
-                if on_progress is not None and event.total:
-                    on_progress(event.processed, event.total)
-                continue
-            now = time.perf_counter()
-            if isinstance(event, Delta):
-                if first is None:
-                    first = now
-                    throughput.record_first_token()
-                    throughput.record_prefill(0, now - started)
-                pieces += 1
-                throughput.record_decode(pieces, now - first)
-            elif event.prompt_tokens is not None:
-                new = event.prompt_tokens - (event.cached_tokens or 0)
-                throughput.record_prefill(new, (first or now) - started)
-                if event.completion_tokens is not None:
-                    decoded = event.completion_tokens
-                    throughput.record_decode(decoded, now - (first or now))
-                    engine.context_tokens = event.prompt_tokens + decoded
-            yield event
+        self.reply_end = None
+        started = time.perf_counter()
+        events = engine.server.stream_chat(engine.request(messages, params), cancel or Event())
+        first, pieces = None, 0
+        with closing(events):
+            try:
+                for event in events:
+                    if isinstance(event, PromptProgress):
+                        if on_progress is not None and event.total:
+                            on_progress(event.processed, event.total)
+                        continue
+                    now = time.perf_counter()
+                    if isinstance(event, Delta):
+                        if first is None:
+                            first = now
+                            throughput.record_first_token()
+                            throughput.record_prefill(0, now - started)
+                        pieces += 1
+                        throughput.record_decode(pieces, now - first)
+                    else:
+                        self._finished(event, (first or now) - started, now - (first or now))
+                    yield event
+            except Cancelled:
+                self.reply_end = ReplyEnd.STOPPED
+                raise
+
+    def _finished(self, event: Finished, prefill_s: float, decode_s: float) -> None:
+        """Why the reply ended, and its token counts where the usage says them."""
+        engine, throughput = self.engine, self.engine.throughput
+        self.reply_end = FINISH_REASONS.get(event.finish_reason or "", ReplyEnd.END_OF_TURN)
+        if event.prompt_tokens is None:
+            return
+        throughput.record_prefill(event.prompt_tokens - (event.cached_tokens or 0), prefill_s)
+        if event.completion_tokens is not None:
+            throughput.record_decode(event.completion_tokens, decode_s)
+            engine.context_tokens = event.prompt_tokens + event.completion_tokens
 
 
 def _texts(first: Delta | Finished, events: Generator[Delta | Finished]) -> Iterator[str]:

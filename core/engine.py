@@ -60,7 +60,7 @@ from .snapshot import (
 )
 from .sources import read_sources
 from .tokenizer import Tokenizer, TooManyTokensError, load_tokenizer
-from .turns import ProgressFn, Turns
+from .turns import ProgressFn, ReplyEnd, Turns
 from .weights import load_weights, resolve_model_path
 
 EFFECTS = ("live", "cache", "reload")
@@ -418,7 +418,9 @@ class Session(Turns[Conversation]):
         cancel: threading.Event | None = None,
     ) -> Iterator[int]:
         """Yield reply tokens after the cached prompt until an end-of-turn token, the
-        max_new_tokens limit, or `cancel`. Every yielded token except the last is cached."""
+        max_new_tokens limit, a full context or `cancel`; `reply_end` says which. Every
+        yielded token except the last is cached."""
+        self.reply_end = None
         engine = self.engine
         params = params or engine.settings.generation
         if self._logits is None:
@@ -432,17 +434,22 @@ class Session(Turns[Conversation]):
         reply: list[int] = []
         engine.throughput.begin_decode()
         started = time.perf_counter()
-        for _ in range(params.max_new_tokens):
+        while True:
             if cancel is not None and cancel.is_set():
+                self.reply_end = ReplyEnd.STOPPED
                 return
             token = sample_next(self._logits, params, reply, generator)
             if not reply:
                 engine.throughput.record_first_token()
             reply.append(token)
             yield token
-            if token in eos or len(reply) == params.max_new_tokens:
-                return
-            if len(self.tokens) + 1 > engine.settings.long_context.max_seq_len:
+            if token in eos:
+                self.reply_end = ReplyEnd.END_OF_TURN
+            elif len(reply) == params.max_new_tokens:
+                self.reply_end = ReplyEnd.MAX_NEW_TOKENS
+            elif len(self.tokens) + 1 > engine.settings.long_context.max_seq_len:
+                self.reply_end = ReplyEnd.FULL_CONTEXT
+            if self.reply_end is not None:
                 return
             with torch.inference_mode():
                 self._logits = engine.model.forward(torch.tensor([token]), self.cache)[-1]

@@ -7,11 +7,22 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from enum import StrEnum
 from typing import Generic, Protocol, TypeVar
 
 from kvchat.config import GenerationSettings, Settings
 
 ProgressFn = Callable[[int, int], None]
+
+
+class ReplyEnd(StrEnum):
+    """Why a reply ended. OpenAI's finish_reason is "stop" for END_OF_TURN, "length" for
+    MAX_NEW_TOKENS and FULL_CONTEXT."""
+
+    END_OF_TURN = "end of turn"
+    MAX_NEW_TOKENS = "max_new_tokens"
+    FULL_CONTEXT = "full context"
+    STOPPED = "stopped"
 
 
 class TurnsConversation(Protocol):
@@ -41,6 +52,7 @@ class Turns(Generic[C]):
     def __init__(self, conversation: C) -> None:
         self._conversation = conversation
         self._answer_count = 0
+        self.reply_end: ReplyEnd | None = None  # why the last reply ended (None: it runs)
 
     @property
     def conversation(self) -> C:

@@ -22,6 +22,7 @@ from kvchat.config import GenerationSettings
 from kvchat.core.cancel import Cancelled
 from kvchat.core.engine import Engine
 from kvchat.core.errors import USER_ERRORS
+from kvchat.core.turns import ReplyEnd
 
 _log = logging.getLogger(__name__)
 
@@ -215,7 +216,6 @@ class EngineWorker:
             raise Cancelled("cancelled")
         if rest := scanner.flush():
             job.emit(Text(rest))
-        full = len(session.tokens) + 1 > self.engine.settings.long_context.max_seq_len
-        ended = scanner.stopped or (n < params.max_new_tokens and not full)
+        ended = scanner.stopped or session.reply_end is ReplyEnd.END_OF_TURN
         cached = len(ids) - session.last_prefill.prefilled
         return Done("stop" if ended else "length", len(ids), n, cached)

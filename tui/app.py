@@ -354,6 +354,8 @@ class KvchatApp(App[None]):
             self.notify(message.detail or "stopped", title="stopped", severity="warning")
         elif message.kind == "model":
             self._after_model()
+        elif message.kind == "reply" and message.detail:
+            self.notify(message.detail, title="reply cut short", severity="warning")
         elif message.kind == "document" and message.detail:
             self.notify(message.detail, title="document loaded")
         elif message.kind == "resume":

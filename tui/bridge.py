@@ -29,6 +29,7 @@ from kvchat.core.history import SavedConversation
 from kvchat.core.plan import PlanRefusedError
 from kvchat.core.snapshot import PrefillReport, format_size
 from kvchat.core.sources import STDIN
+from kvchat.core.turns import ReplyEnd
 from kvchat.native import build_reports
 
 from .messages import (
@@ -294,17 +295,36 @@ def _ready(name: str, n_tokens: int, prefill: PrefillReport) -> str:
 
 
 def ask(engine: AnyEngine, question: str, post: Post, cancel: threading.Event) -> str:
-    """Answer `question` as a new turn, posting the reply as it comes."""
+    """Answer `question` as a new turn, posting the reply as it comes; returns what cut the
+    reply short, if anything did."""
     on_progress = progress_reporter(post, "prefill")
     _stream(engine.session.ask(question, on_progress=on_progress, cancel=cancel), post)
-    return ""
+    return cut_short(engine)
 
 
 def regenerate(engine: AnyEngine, post: Post, cancel: threading.Event) -> str:
     """Answer the last question again in place of its reply, posting the new one as it
-    comes."""
+    comes; returns what cut the reply short, if anything did."""
     on_progress = progress_reporter(post, "prefill")
     _stream(engine.session.regenerate(on_progress=on_progress, cancel=cancel), post)
+    return cut_short(engine)
+
+
+def cut_short(engine: AnyEngine) -> str:
+    """What ended the last reply before the model did, and what to change for a longer one
+    ("" when the model ended it)."""
+    settings = engine.settings
+    end = engine.session.reply_end
+    if end is ReplyEnd.MAX_NEW_TOKENS:
+        return (
+            f"The reply reached generation.max_new_tokens ({settings.generation.max_new_tokens:,})"
+            ": raise it in /settings for longer replies."
+        )
+    if end is ReplyEnd.FULL_CONTEXT:
+        return (
+            f"The context is full (long_context.max_seq_len "
+            f"{settings.long_context.max_seq_len:,}): /clear starts again on the document."
+        )
     return ""
 
 

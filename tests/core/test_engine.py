@@ -10,6 +10,7 @@ import torch
 
 from kvchat.core.cancel import Cancelled
 from kvchat.core.plan import PlanRefusedError
+from kvchat.core.turns import ReplyEnd
 
 QUESTION = "What is the capital of France? Answer in one sentence."
 
@@ -87,17 +88,30 @@ def test_cancelled_prefill_leaves_session_usable(engine_fp32, settings_fp32):
     assert (engine.session.logits - fresh).abs().max().item() < 1e-4
 
 
-def test_generation_cancel_and_limit(engine_fp32):
+def test_generation_cancel_and_limit_say_why_the_reply_ended(engine_fp32, settings_fp32):
     session = engine_fp32.new_session()
-    session.sync(_chat_ids(engine_fp32))
+    ids = _chat_ids(engine_fp32)
+    session.sync(ids)
     params = replace(engine_fp32.settings.generation, max_new_tokens=5, temperature=0.0)
-    assert len(list(session.generate(params))) <= 5
+    assert len(list(session.generate(params))) == 5
+    assert session.reply_end is ReplyEnd.MAX_NEW_TOKENS
+    session.sync(ids)
     cancel = threading.Event()
     got = []
     for token in session.generate(replace(params, max_new_tokens=50), cancel):
         got.append(token)
         cancel.set()
-    assert len(got) == 1
+    assert len(got) == 1 and session.reply_end is ReplyEnd.STOPPED
+    session.sync(ids)
+    reply = list(session.generate(replace(params, max_new_tokens=200)))
+    assert reply[-1] in engine_fp32.tokenizer.eos_ids and session.reply_end is ReplyEnd.END_OF_TURN
+
+    lc = replace(settings_fp32.long_context, max_seq_len=len(ids) + 3)
+    tight = engine_fp32.with_settings(replace(engine_fp32.settings, long_context=lc))
+    session = tight.new_session()
+    session.sync(ids)
+    assert len(list(session.generate(replace(params, max_new_tokens=50)))) == 4
+    assert session.reply_end is ReplyEnd.FULL_CONTEXT
 
 
 def test_follow_up_prefills_only_new_tokens(engine_fp32):

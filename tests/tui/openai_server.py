@@ -71,10 +71,15 @@ class EchoServer:
         seen = Seen(body)
         self.requests.append(seen)
         words = reply_to(body["messages"][-1]["content"]).split(" ")
+        cut = len(words) > body.get("max_tokens", len(words))
         words = words[: body.get("max_tokens", len(words))]
-        return StreamingResponse(self._events(seen, words, prompt), media_type="text/event-stream")
+        reason = "length" if cut else "stop"
+        events = self._events(seen, words, prompt, reason)
+        return StreamingResponse(events, media_type="text/event-stream")
 
-    async def _events(self, seen: Seen, words: list[str], prompt: int) -> AsyncIterator[str]:
+    async def _events(
+        self, seen: Seen, words: list[str], prompt: int, reason: str
+    ) -> AsyncIterator[str]:
         try:
             first = {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}
             yield f"data: {json.dumps(first)}\n\n"
@@ -82,7 +87,7 @@ class EchoServer:
             for i, word in enumerate(words):
                 delta = {"content": word if i == 0 else f" {word}"}
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta}]})}\n\n"
-            end = {"choices": [{"index": 0, "delta": {}, "finish_reason": "stop"}]}
+            end = {"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]}
             yield f"data: {json.dumps(end)}\n\n"
             if seen.body.get("stream_options", {}).get("include_usage"):
                 usage = {"prompt_tokens": prompt, "completion_tokens": len(words)}

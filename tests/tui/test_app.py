@@ -16,6 +16,7 @@ from textual.widgets import Input, Label, Static
 
 from kvchat.config import Settings
 from kvchat.core.engine import Engine
+from kvchat.core.turns import ReplyEnd
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.log_notices import NoticeHandler
 from kvchat.tui.messages import LOAD_PHASE, Progress, ReplyPiece, StepFinished
@@ -163,6 +164,9 @@ async def test_load_a_document_and_ask(settings: Settings, engine: Engine, tmp_p
         assert conversation.messages[-1] == {"role": "assistant", "content": reply.source}
         assert len(engine.session.tokens) > prefilled  # the document prefix was reused
         assert app.query_one("#prompt").text == ""
+        # The reply is cut at max_new_tokens (8 here): the app says so, and what makes room.
+        assert engine.session.reply_end is ReplyEnd.MAX_NEW_TOKENS
+        assert any("generation.max_new_tokens (8)" in n for n in notifications(app))
 
 
 async def test_the_panels_say_what_is_real_on_a_cpu(

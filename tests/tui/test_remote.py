@@ -97,6 +97,12 @@ async def test_a_plain_server_answers_the_chat_and_the_panels_say_not_reported(
                 {"role": "user", "content": "Again?"},
             ]
 
+            # A reply the server cut at max_tokens says so.
+            assert not any("cut short" in n for n in notifications(app))
+            await send(pilot, app, "Say it in many more words than eight, please")
+            assert messages(app, "assistant")[-1].source == "You asked: Say it in many more words"
+            assert any("generation.max_new_tokens (8)" in n for n in notifications(app))
+
             await send(pilot, app, "/model echo-2")
             assert app.engine.model == "echo-2"
             await send(pilot, app, "Hello?")
