@@ -141,6 +141,9 @@ def cmd_ask(args: argparse.Namespace) -> int:
     prompt = conversation.prompt_ids(tokenizer, question)
     _fit(engine, len(prompt), conversation.document_name, args.fit)
     settings = engine.settings
+    if args.verbose:  # after the fit, which may change the blocks' type
+        kv = settings.long_context.kv_type.value
+        print(f"kvchat: {engine.compute_summary()}; {kv} blocks", file=sys.stderr)
     engine.check_fits(len(prompt), settings.generation.max_new_tokens)
     session = engine.new_session(conversation)
     cancel = threading.Event()
@@ -216,7 +219,6 @@ def _read_conversation(engine: Engine, paths: Sequence[str], verbose: bool) -> C
     progress = ProgressLine("tokenize") if verbose else None
     ids = engine.encode_document(doc, progress, fitting=True)
     if verbose:
-        print(f"kvchat: {engine.compute_summary()}", file=sys.stderr)
         print(f"{doc.name}: {doc.size_bytes} bytes, {len(ids)} tokens", file=sys.stderr)
         if doc.files:
             summary = f"; {skip_summary(doc.skipped)}" if doc.skipped else ""

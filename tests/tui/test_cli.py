@@ -127,9 +127,13 @@ def test_a_document_past_the_settings_gets_the_flags_that_fit_and_loads_with_fit
     assert "prefill:" not in captured.err  # refused before any prefill progress
     assert captured.out == ""
 
-    assert main([*argv[:-1], "--fit", argv[-1]]) == 0
+    assert main([*argv[:-1], "--fit", "--verbose", argv[-1]]) == 0
     captured = capsys.readouterr()
     assert "kvchat: fitted the settings: max_seq_len 4,096" in captured.err
+    # -v says how it computes under the settings it runs with: those of the fit.
+    fitted = captured.err.index("kvchat: fitted the settings")
+    assert captured.err.index("kvchat: compute: ") > fitted
+    assert "; FP16 blocks\n" in captured.err
     assert "blue" in captured.out.lower()
 
 
