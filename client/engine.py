@@ -139,6 +139,7 @@ class RemoteSession(Turns[RemoteConversation]):
         engine, throughput = self.engine, self.engine.throughput
         self.reply_end = FINISH_REASONS.get(event.finish_reason or "", ReplyEnd.END_OF_TURN)
         if event.prompt_tokens is None:
+            engine.context_tokens = None
             return
         throughput.record_prefill(event.prompt_tokens - (event.cached_tokens or 0), prefill_s)
         if event.completion_tokens is not None:
@@ -172,7 +173,8 @@ class RemoteEngine:
     ) -> None:
         self.server, self.model, self.settings, self.poller = server, model, settings, poller
         self.throughput = Throughput()
-        self.context_tokens = 0  # the last reply's prompt and reply, as the server counted
+        # The last reply's prompt and reply, as the server counted (None: it reports no usage).
+        self.context_tokens: int | None = 0
         self.session = RemoteSession(self, None)
 
     @classmethod

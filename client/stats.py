@@ -26,7 +26,7 @@ class ServerStats(Rates):
 
     url: str
     model: str
-    context_tokens: int  # the last reply's prompt and reply tokens, from its usage (0: unknown)
+    context_tokens: int | None  # the last reply's prompt and reply (None: no usage reported)
     prefill_tokens: int
     prefill_seconds: float
     decode_tokens: int

@@ -38,6 +38,7 @@ class Seen:
 class EchoServer:
     api_key: str | None = None
     hold_s: float = 0.0  # how long a reply waits before its first word (a long "prefill")
+    usage: bool = True  # whether it sends the usage a client asks for (some servers do not)
     requests: list[Seen] = field(default_factory=list)
     url: str = ""
 
@@ -89,7 +90,7 @@ class EchoServer:
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta}]})}\n\n"
             end = {"choices": [{"index": 0, "delta": {}, "finish_reason": reason}]}
             yield f"data: {json.dumps(end)}\n\n"
-            if seen.body.get("stream_options", {}).get("include_usage"):
+            if self.usage and seen.body.get("stream_options", {}).get("include_usage"):
                 usage = {"prompt_tokens": prompt, "completion_tokens": len(words)}
                 yield f"data: {json.dumps({'choices': [], 'usage': usage})}\n\n"
             yield "data: [DONE]\n\n"

@@ -135,7 +135,9 @@ async def test_a_wrong_key_a_refusal_and_no_server_are_told_and_leave_the_app_us
 ) -> None:
     long_doc = tmp_path / "long.txt"
     long_doc.write_text("word " * 6000)
-    with serving(EchoServer(api_key=KEY)) as server:
+    short_doc = tmp_path / "short.txt"
+    short_doc.write_text("Ada keeps the light.\n")
+    with serving(EchoServer(api_key=KEY, usage=False)) as server:
         app = remote_app(settings, server.url, "wrong")
         async with app.run_test(size=(140, 45)) as pilot:
             await wait_idle(pilot, app)
@@ -150,6 +152,14 @@ async def test_a_wrong_key_a_refusal_and_no_server_are_told_and_leave_the_app_us
             assert app.document is None and not app.engine.session.has_document
             await send(pilot, app, "Still fine?")
             assert [m.source for m in messages(app, "assistant")] == [reply_to("Still fine?")]
+            # This server sends no usage: what it did not count is not made up.
+            app.show_stats(app.engine.stats())
+            assert "prefill  tokens not reported" in panel(app, "throughput")
+            assert "(4 tok)" in panel(app, "throughput")  # the pieces, counted here
+            assert "context not reported" in status(app)
+            await send(pilot, app, f"/load {short_doc}")
+            [card] = messages(app, "document")
+            assert "**short.txt** — 21 B\n" in card.source
 
     app = remote_app(settings, server.url, KEY)  # the server is gone now
     async with app.run_test(size=(140, 45)) as pilot:

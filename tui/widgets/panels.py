@@ -62,8 +62,11 @@ class ThroughputPanel(Panel):
 
     def body(self, stats: EngineStats | ServerStats) -> str:
         ttft = "—" if stats.time_to_first_token is None else f"{stats.time_to_first_token:.2f} s"
+        prefill = f"prefill {stats.prefill_tok_s:8.0f} tok/s ({stats.prefill_tokens:,} tok)"
+        if isinstance(stats, ServerStats) and stats.context_tokens is None:
+            prefill = "prefill  tokens not reported"  # the server sends no usage
         return (
-            f"prefill {stats.prefill_tok_s:8.0f} tok/s ({stats.prefill_tokens:,} tok)\n"
+            f"{prefill}\n"
             f"decode  {stats.decode_tok_s:8.1f} tok/s ({stats.decode_tokens:,} tok)\n"
             f"first token {ttft}"
         )

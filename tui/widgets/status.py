@@ -28,7 +28,8 @@ class StatusLine(Static):
         where = f" on {stats.url}" if isinstance(stats, ServerStats) else ""
         engine = reported(stats)
         if engine is None:
-            facts = f"{stats.model}{where} │ context {stats.context_tokens:,}"
+            n = stats.context_tokens
+            facts = f"{stats.model}{where} │ context {'not reported' if n is None else f'{n:,}'}"
         else:
             facts = (
                 f"{engine.model}{where} │ context {engine.context_tokens:,}/"
