@@ -13,7 +13,6 @@ from collections.abc import Generator, Iterator, Sequence
 from contextlib import closing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from threading import Event
 from typing import Any, BinaryIO
 
 from kvchat.config import GenerationSettings, Settings, changed_keys
@@ -93,8 +92,8 @@ class RemoteSession(Turns[RemoteConversation]):
         """Send the conversation and wait for the reply to begin (a refusal, or a stop while
         the server prefills, raises here); then its text, until its end or a stop."""
         events = self._stream(before.chat_messages(question), params, on_progress, cancel)
-        first = next(events)
-        return _texts(first, events)
+        first = next(events, None)
+        return iter(()) if first is None else _texts(first, events)
 
     def _stream(
         self,
@@ -110,7 +109,8 @@ class RemoteSession(Turns[RemoteConversation]):
         throughput.begin_decode()
         self.reply_end = None
         started = time.perf_counter()
-        events = engine.server.stream_chat(engine.request(messages, params), cancel or Event())
+        body = engine.request(messages, params)
+        events = engine.server.stream_chat(body, cancel or threading.Event())
         first, pieces = None, 0
         with closing(events):
             try:
