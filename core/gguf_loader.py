@@ -32,6 +32,8 @@ SUPPORTED_TYPES = frozenset(
     | {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
 )
 INT4_TYPES = frozenset({T.Q4_0, T.Q4_1})
+# Types whose values are integers that fit int8, with one scale per block of 32.
+INT8_TYPES = frozenset({T.Q8_0, T.Q5_0})
 # llama.cpp's converter interleaves the Q/K rows of these architectures (Qwen2 is left alone).
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
@@ -65,9 +67,10 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 
 def load_gguf(path: Path, on_progress: Callable[[int, int], None] | None = None) -> ModelWeights:
-    """Every decoder tensor of a GGUF file: int4 / int8 groups for the types that keep them,
-    float32 on demand for all (LazyTensors); the config, names, types and shapes are checked
-    before anything is read. `on_progress(done, total)` follows the tensors as they are read."""
+    """Every decoder tensor of a GGUF file: int4 groups (Q4_0, Q4_1) and int8 groups (Q8_0,
+    Q5_0) for the types that keep them, float32 on demand for all (LazyTensors); the config,
+    names, types and shapes are checked before anything is read. `on_progress(done, total)`
+    follows the tensors as they are read."""
     reader = _open(path)
     metadata = _metadata(reader, path)
     by_name = {t.name: t for t in reader.tensors}
@@ -85,7 +88,7 @@ def load_gguf(path: Path, on_progress: Callable[[int, int], None] | None = None)
             q, scale, minimum = (_unpermute(a, heads) for a in _int4_groups(tensor))
             int4[hf_name] = Int4Groups(*map(torch.from_numpy, (q, scale, minimum)))
             rows = partial(_int4_rows, q, scale, minimum)
-        elif tensor.tensor_type == T.Q8_0 and len(shape) == 2:
+        elif tensor.tensor_type in INT8_TYPES and len(shape) == 2:
             q8, scale = (_unpermute(a, heads) for a in _int8_groups(tensor))
             int8[hf_name] = Int8Groups(*map(torch.from_numpy, (q8, scale)))
             rows = partial(_int8_rows, q8, scale)
@@ -341,11 +344,18 @@ def _int4_groups(tensor: ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.ndarr
 
 
 def _int8_groups(tensor: ReaderTensor) -> tuple[np.ndarray, np.ndarray]:
-    """(q, scale) of a Q8_0 tensor: each block is an fp16 scale, then 32 int8 values."""
+    """(q, scale) of a Q8_0 or Q5_0 tensor, int8 values q such that q * scale is exact."""
     rows = tensor.data.shape[0]
-    blocks = tensor.data.reshape(rows, -1, GGML_QUANT_SIZES[T.Q8_0][1])
-    q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(rows, -1)
-    return q, _half(blocks[..., 0:2])
+    blocks = tensor.data.reshape(rows, -1, GGML_QUANT_SIZES[tensor.tensor_type][1])
+    if tensor.tensor_type == T.Q8_0:  # an fp16 scale, then 32 int8 values
+        q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
+    else:  # Q5_0: an fp16 scale, 32 high bits, 16 bytes of low nibbles; values 0..31 less 16
+        high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # bit i: element i
+        packed = blocks[..., 6:]
+        # Byte j of a block holds element j in its low nibble and element j + 16 in its high one.
+        low = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+        q = ((low | (high << 4)) - np.uint8(16)).view(np.int8)  # -16..15, wrapped in uint8
+    return q.reshape(rows, -1), _half(blocks[..., 0:2])
 
 
 def _half(two_bytes: np.ndarray) -> np.ndarray:

@@ -3,7 +3,9 @@
 GGUF Q4_0/Q4_1 weights are exact 4-bit integers in groups of 32, so on the CPU with bf16
 activations they run as int4 and read a quarter of the bytes: through core/csrc/int4_layer.cpp
 where it has a vector path for the CPU (AVX-512 VNNI, AVX2), else through PyTorch's int4
-group-32 kernel. Every other case is a plain matrix in the compute dtype.
+group-32 kernel. Q8_0 and Q5_0 weights are exact 8-bit integers in groups of 32 and run as
+int8 through core/csrc/decoder_ops.cpp, reading half the bytes. Every other case is a plain
+matrix in the compute dtype.
 
 Products of many rows in bf16 run in hardware where the CPU has bf16 products
 (kvchat.native.cpu); elsewhere torch emulates them at a fraction of fp32's speed, so they run in
@@ -32,6 +34,7 @@ _INT4_MM = torch._weight_int4pack_mm_for_cpu
 
 class Linear(Protocol):
     out_features: int
+    format: str  # what its weight is held as: "int4", "int8", or the dense dtype ("bfloat16")
     nbytes: int  # held in memory
     read_bytes: int  # read by one product (a layer may hold more than it reads)
 
@@ -71,6 +74,7 @@ class DenseLinear:
             self._product = self._prepacked
         else:
             self._product = self._plain
+        self.format = str(weight.dtype).removeprefix("torch.")
         self.nbytes = _nbytes(weight, bias, self._copy)
         self.read_bytes = _nbytes(weight if self._copy is None else self._copy, bias)
 
@@ -100,6 +104,7 @@ class Int4Linear:
         zero = groups.minimum + 8 * groups.scale
         self.scale_zero = torch.stack([groups.scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
         self.bias = bias
+        self.format = "int4"
         self.nbytes = self.read_bytes = _nbytes(self.packed, self.scale_zero, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -132,6 +137,7 @@ class PackedInt4Linear:
     def __init__(self, pack: Int4Pack, bias: torch.Tensor | None, ops: ModuleType) -> None:
         self.pack, self.bias, self._ops = pack, bias, ops
         self.out_features = pack.out_features
+        self.format = "int4"
         self.nbytes = self.read_bytes = pack.nbytes + _nbytes(bias)
         widened = widened_products(torch.device("cpu"), torch.bfloat16)
         self._unpack_rows = None if widened else self.UNPACK_ROWS
@@ -166,26 +172,44 @@ def pack_int8(groups: Int8Groups) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class Int8Linear:
-    """The output layer on a GGUF's Q8_0 weights (W = q * scale per 32 inputs) as stored, in
-    tiles of 16 rows (pack_int8): one row (every decode step's, and a prefill's last token)
-    through core/cpu_ops.py's kernel, which reads half the bytes of a bf16 copy and is exact
-    but for the inputs' rounding to 16-bit integers per group of 32 (the bf16 copy rounds every
-    weight); more rows (every position's logits) through `dense`, the bf16 matrix. Returns
-    fp32."""
+    """y = x @ W.T + b on a GGUF's int8 weights (W = q * scale per 32 inputs: Q8_0, and Q5_0's
+    5-bit values) as stored, in tiles of 16 rows (pack_int8). Rows up to a few dozen (every
+    decode step's, a prefill's last token) go through core/cpu_ops.py's int8 product, which
+    reads half the bytes of a bf16 copy and is exact but for the inputs' rounding to 16-bit
+    integers per group of 32 (a bf16 copy rounds every weight). More rows (prefill chunks)
+    go, where bf16 products are in hardware, through a bf16 product with `table` (a bf16 copy
+    the model holds anyway: a tied embedding) or else with the weight unpacked for the call;
+    elsewhere through the int8 product too. Returns `out_dtype` (the output layer: fp32)."""
 
-    def __init__(self, groups: Int8Groups, dense: DenseLinear, ops: ModuleType) -> None:
+    UNPACK_ROWS = PackedInt4Linear.UNPACK_ROWS
+
+    def __init__(
+        self,
+        groups: Int8Groups,
+        bias: torch.Tensor | None,
+        ops: ModuleType,
+        out_dtype: torch.dtype,
+        table: torch.Tensor | None = None,
+    ) -> None:
         self.packed, self.scale = pack_int8(groups)
-        self.dense, self._ops = dense, ops
+        self.bias, self._ops, self.out_dtype, self.table = bias, ops, out_dtype, table
         self.out_features = groups.q.shape[0]
-        self.read_bytes = _nbytes(self.packed, self.scale)
-        self.nbytes = self.read_bytes + dense.nbytes
+        self.format = "int8"
+        self.nbytes = self.read_bytes = _nbytes(self.packed, self.scale, bias)
+        widened = widened_products(torch.device("cpu"), torch.bfloat16)
+        self._unpack_rows = None if widened else self.UNPACK_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
-        if rows.shape[0] > 1:
-            return self.dense(x).float()
-        y = self._ops.int8_linear(rows, self.packed, self.scale)[:, : self.out_features]
-        return y.reshape(*x.shape[:-1], -1)
+        if self._unpack_rows is None or rows.shape[0] < self._unpack_rows:
+            y = self._ops.int8_linear(rows, self.packed, self.scale)[:, : self.out_features]
+            y = y if self.bias is None else y + self.bias
+        else:
+            weight = self.table
+            if weight is None:
+                weight = self._ops.int8_dequantize(self.packed, self.scale)[: self.out_features]
+            y = F.linear(rows.bfloat16(), weight, self.bias)
+        return y.to(self.out_dtype).reshape(*x.shape[:-1], -1)
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -195,14 +219,17 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 def make_linear(
     mats: list[torch.Tensor],
     int4: list[Int4Groups | None],
+    int8: list[Int8Groups | None],
     bias: torch.Tensor | None,
     weight_format: str,
     dtype: torch.dtype,
     device: torch.device,
     ops: ModuleType | None = None,
 ) -> Linear:
-    """One linear layer from the row blocks `mats` (fused along the output dim). `ops`:
-    core/cpu_ops.py's module, whose int4 products replace torch's where they run vectorized."""
+    """One linear layer from the row blocks `mats` (fused along the output dim), kept in the
+    file's int4 or int8 groups where every block has them. `ops`: core/cpu_ops.py's module,
+    whose int4 products replace torch's where they run vectorized, and whose int8 products
+    run the int8 groups (without it they run dense)."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight format {weight_format!r}; choose one of {WEIGHT_FORMATS}")
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
@@ -219,5 +246,15 @@ def make_linear(
         if pack is not None:
             return PackedInt4Linear(pack, bias, ops)  # type: ignore[arg-type]
         return Int4Linear(groups, bias, dtype)
+    usable_int8 = (
+        weight_format == "int4"
+        and device.type == "cpu"
+        and ops is not None
+        and dtype == torch.bfloat16
+        and all(g is not None for g in int8)
+        and mats[0].shape[1] % GROUP_SIZE == 0
+    )
+    if usable_int8:
+        return Int8Linear(Int8Groups.cat(int8), bias, ops, dtype)  # type: ignore[arg-type]
     weight = torch.cat(mats).to(device=device, dtype=dtype).contiguous()
     return DenseLinear(weight, bias)

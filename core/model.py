@@ -85,6 +85,7 @@ class Transformer:
                 tensor(f"{n}.weight", (o, in_size)) for n, o in zip(names, out_sizes, strict=True)
             ]
             int4 = [weights.int4.get(f"{n}.weight") for n in names]
+            int8 = [weights.int8.get(f"{n}.weight") for n in names]
             biases = (
                 torch.cat(
                     [tensor(f"{n}.bias", (o,)) for n, o in zip(names, out_sizes, strict=True)]
@@ -92,7 +93,7 @@ class Transformer:
                 if bias
                 else None
             )
-            return make_linear(mats, int4, biases, weight_format, dtype, self.device, ops)
+            return make_linear(mats, int4, int8, biases, weight_format, dtype, self.device, ops)
 
         h, d = cfg.hidden_size, cfg.head_dim
         q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -119,19 +120,17 @@ class Transformer:
         self.lm_head: Linear
         # A tied head on the CPU shares the embedding table instead of holding a second copy
         # (in bf16 it also holds a second copy for its products, counted in nbytes, unless it
-        # reads the file's Q8_0 table).
-        self._head_is_embed = cfg.tie_word_embeddings and self.device.type == "cpu"
+        # reads the file's int8 table, then taking the embedding for products of many rows).
+        head_is_embed = cfg.tie_word_embeddings and self.device.type == "cpu"
         head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
         q8 = weights.int8.get(f"{head}.weight") if weight_format == "int4" else None
+        self._head_holds_embed = False  # counted in lm_head.nbytes, held once
         if q8 is not None and ops is not None:
-            table = (
-                self.embed
-                if self._head_is_embed
-                else tensor(f"{head}.weight", (cfg.vocab_size, h), dtype).to(self.device)
-            )
-            self.lm_head = Int8Linear(q8, DenseLinear(table, None, copy=False), ops)
-        elif self._head_is_embed:
+            table = self.embed if head_is_embed else None
+            self.lm_head = Int8Linear(q8, None, ops, torch.float32, table)
+        elif head_is_embed:
             self.lm_head = DenseLinear(self.embed, None)
+            self._head_holds_embed = True
         else:
             self.lm_head = linear([head], [cfg.vocab_size], h, False)
         self.rope = Rope(cfg, self.device)
@@ -172,8 +171,22 @@ class Transformer:
             sum(m.nbytes for m in linears)
             + sum(v.numel() * v.element_size() for v in [*vectors, self.norm, self.embed])
             + self.lm_head.nbytes
-            - (self.embed.numel() * self.embed.element_size() if self._head_is_embed else 0)
+            - (self.embed.numel() * self.embed.element_size() if self._head_holds_embed else 0)
         )
+
+    def bytes_by_format(self) -> dict[str, int]:
+        """Bytes of weights held, by what they are held as ("int4", "int8", "bfloat16", ...),
+        largest first; they add up to nbytes."""
+        held: dict[str, int] = {}
+        linears = [
+            m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
+        ]
+        for m in [*linears, self.lm_head]:
+            held[m.format] = held.get(m.format, 0) + m.nbytes
+        # The rest: the embedding table (less the head's share of it) and the norms.
+        dense = str(self.dtype).removeprefix("torch.")
+        held[dense] = held.get(dense, 0) + self.nbytes - sum(held.values())
+        return dict(sorted(held.items(), key=lambda item: -item[1]))
 
     @property
     def decode_read_bytes(self) -> int:

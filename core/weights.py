@@ -60,7 +60,7 @@ class Int4Groups:
 @dataclass(frozen=True)
 class Int8Groups:
     """A weight stored exactly as 8-bit integers with a scale per group of 32 inputs (GGUF
-    Q8_0): weight = q * scale, the product exact in float32."""
+    Q8_0, and Q5_0's 5-bit values): weight = q * scale, the product exact in float32."""
 
     q: torch.Tensor  # int8 [out_features, in_features]
     scale: torch.Tensor  # float32 [out_features, in_features // 32]
@@ -70,6 +70,13 @@ class Int8Groups:
         rows = self.q.shape[0]
         grouped = self.q.reshape(rows, -1, GROUP_SIZE).to(torch.float32)
         return (grouped * self.scale[..., None]).reshape(rows, -1)
+
+    @staticmethod
+    def cat(groups: list[Int8Groups]) -> Int8Groups:
+        """Weights stacked along the output dimension (a fused projection)."""
+        return Int8Groups(
+            q=torch.cat([g.q for g in groups]), scale=torch.cat([g.scale for g in groups])
+        )
 
 
 # Rows = (start, stop) -> those rows of a tensor as float32.

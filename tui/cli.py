@@ -414,6 +414,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         check_sources(args.paths)  # refused before the model loads
     engine = Engine.load(_load(args).settings, args.model)
     print(engine.compute_summary())
+    held = engine.model.bytes_by_format().items()
+    print("weights as loaded: " + ", ".join(f"{kind} {gib(n)}" for kind, n in held))
     if args.paths:
         return _plan_document(engine, args.paths)
     sys.stdout.write(

@@ -4,13 +4,15 @@
 // ~3 us each plus Python: RMSNorm alone is eight ops (~38 us), SiLU-and-multiply three. These
 // compute the same values in one pass each (every intermediate rounded to bf16 where torch's
 // bf16 ops round; they sum and take exp in another order, so a value in ~1,000 may land one
-// bf16 step away). int8_linear is the output layer on a GGUF's Q8_0 weights as they are
-// stored (int8 values, a scale per 32; reordered into tiles of 16 rows), half the bytes of a
-// bf16 copy and exact but for the inputs' 16-bit rounding (1/65024 of a group's largest).
+// bf16 step away). int8_linear is the product with a GGUF's Q8_0 (or Q5_0) weights as they
+// are stored (int8 values, a scale per 32; reordered into tiles of 16 rows), half the bytes
+// of a bf16 copy and exact but for the inputs' 16-bit rounding (1/65024 of a group's
+// largest); int8_dequantize unpacks them to bf16 for products of many rows.
 #include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "bf16.h"
@@ -258,10 +260,51 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   return out;
 }
 
+// The bf16 weight [N', K] of int8_linear's layout, each value q * scale rounded to bf16, for
+// the bf16 products of prefill chunks: unpacked at each call, which a chunk's product
+// amortizes (as int4_dequantize).
+torch::Tensor int8_dequantize(torch::Tensor packed, torch::Tensor scale) {
+  TORCH_CHECK(packed.dim() == 2 && scale.dim() == 3 && packed.scalar_type() == at::kByte &&
+                  scale.scalar_type() == at::kFloat,
+              "int8_dequantize: uint8 packed [N / 16, 16 K] and fp32 scale [N / 16, K / 32, 16]");
+  const int64_t T = packed.size(0), K = packed.size(1) / 16, G = K / 32;
+  TORCH_CHECK(packed.size(1) % 512 == 0 && scale.size(0) == T && scale.size(1) == G &&
+                  scale.size(2) == 16,
+              "int8_dequantize: packed [N / 16, 16 K] and scale [N / 16, K / 32, 16], K a "
+              "multiple of 32");
+  packed = packed.contiguous();
+  scale = scale.contiguous();
+  auto out = torch::empty({16 * T, K}, torch::kBFloat16);
+  const uint8_t* pp = packed.data_ptr<uint8_t>();
+  const float* sp = scale.data_ptr<float>();
+  auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
+  at::parallel_for(0, T, 1, [&](int64_t lo, int64_t hi) {
+    // A chunk's 64 bytes in order (16 rows' 4 inputs each) vectorize; their 4-value pieces
+    // are then copied to the 16 rows.
+    float scales[64];
+    uint16_t values[64];
+    for (int64_t t = lo; t < hi; ++t)
+      for (int64_t g = 0; g < G; ++g) {
+        for (int i = 0; i < 64; ++i) scales[i] = sp[(t * G + g) * 16 + i / 4];
+        for (int c = 0; c < 8; ++c) {
+          const uint8_t* chunk = pp + t * 16 * K + g * 512 + 64 * c;
+          for (int i = 0; i < 64; ++i) {
+            const int q = static_cast<int>(chunk[i]) - 128;
+            values[i] = float_to_bf16(static_cast<float>(q) * scales[i]);
+          }
+          for (int r = 0; r < 16; ++r)
+            std::memcpy(op + (16 * t + r) * K + 32 * g + 4 * c, values + 4 * r, 8);
+        }
+      }
+  });
+  return out;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
   m.def("int8_linear", &int8_linear);
+  m.def("int8_dequantize", &int8_dequantize);
   m.def("int4_linear", &int4_linear);
   m.def("int4_dequantize", &int4_dequantize);
   bind_int4_layer(m);

@@ -104,18 +104,41 @@ def test_int8_products_equal_the_machine_levels_bit_for_bit(at_level):
     assert torch.equal(OPS.int8_linear(x, *packed), native.int8_linear(x, *packed))
 
 
-def test_int8_head_takes_one_row_and_leaves_more_to_the_dense_matrix():
+def test_int8_dequantize_is_the_weight_rounded_to_bf16():
+    groups = _groups(1000, 576)
+    got = OPS.int8_dequantize(*pack_int8(groups))
+    assert got.dtype == torch.bfloat16 and got.shape == (1008, 576)  # 63 tiles of 16
+    assert torch.equal(got[:1000], groups.dequantize().bfloat16())
+    assert not got[1000:].any()  # the padding rows
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        OPS.int8_dequantize(torch.zeros(1, 16 * 48, dtype=torch.uint8), torch.ones(1, 1, 16))
+
+
+def test_int8_linear_runs_a_few_rows_as_int8_and_more_on_the_unpacked_weight():
     groups = _groups(500, 576)
-    dense = DenseLinear(groups.dequantize().bfloat16(), None, copy=False)
-    head = Int8Linear(groups, dense, OPS)
+    bias = _bf16(500, seed=9)
+    layer = Int8Linear(groups, bias, OPS, torch.bfloat16)
     x = _bf16(1, 576, seed=5)
-    exact = x.double() @ groups.dequantize().double().T
-    assert head(x).shape == (1, 500)
-    bound = _input_rounding(x, groups) + 1e-6 * exact.abs().max()
-    assert ((head(x).double() - exact).abs() <= bound).all()
-    rows = _bf16(6, 576, seed=6)
-    assert torch.equal(head(rows), dense(rows).float())
-    assert head.read_bytes == 512 * 576 + 512 * 18 * 4  # 500 rows padded to 32 tiles of 16
+    exact = x.double() @ groups.dequantize().double().T + bias.double()
+    got = layer(x)
+    assert got.shape == (1, 500) and got.dtype == torch.bfloat16
+    # The int8 product's bound, then the rounding of the result to bf16.
+    bound = _input_rounding(x, groups) + 1e-6 * exact.abs().max() + exact.abs() * 2**-8
+    assert ((got.double() - exact).abs() <= bound).all()
+    assert layer.read_bytes == 512 * 576 + 512 * 18 * 4 + 500 * 2  # 32 tiles of 16, the bias
+
+    rows = _bf16(100, 576, seed=6)
+    if layer._unpack_rows is None:  # bf16 products not in hardware: the int8 product still
+        exact = rows.double() @ groups.dequantize().double().T + bias.double()
+        bound = _input_rounding(rows, groups) + 1e-6 * exact.abs().max() + exact.abs() * 2**-8
+        assert ((layer(rows).double() - exact).abs() <= bound).all()
+    else:
+        want = torch.nn.functional.linear(rows, groups.dequantize().bfloat16(), bias)
+        assert torch.equal(layer(rows), want)
+        # With a bf16 table the model holds anyway (a tied embedding), that table.
+        table = _bf16(500, 576, seed=10)
+        head = Int8Linear(groups, None, OPS, torch.float32, table)
+        assert torch.equal(head(rows), torch.nn.functional.linear(rows, table).float())
 
 
 def test_the_bundled_model_reads_its_q8_0_head_as_stored(engine_fp32):

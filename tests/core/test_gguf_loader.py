@@ -374,9 +374,11 @@ def test_k_quants_match_an_independent_dequantizer(tmp_path, qtype):
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=hf)
 
 
-def test_int8_groups_reproduce_the_gguf_dequantization_exactly(tmp_path):
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0], ids=lambda t: t.name)
+def test_int8_groups_reproduce_the_gguf_dequantization_exactly(tmp_path, qtype):
+    """Q5_0's 5-bit values less 16 fit int8 as Q8_0's do: the same groups, exact."""
     hf = random_model()
-    path = write_model(tmp_path / "m.gguf", hf, weight_type=T.Q8_0)
+    path = write_model(tmp_path / "m.gguf", hf, weight_type=qtype)
     weights = load_gguf(path)
     in_file = {t.name: t for t in GGUFReader(path).tensors}
 
@@ -391,7 +393,53 @@ def test_int8_groups_reproduce_the_gguf_dequantization_exactly(tmp_path):
         rebuilt = groups.dequantize()
         assert torch.equal(rebuilt, weights.tensors[name]), name
         raw = in_file[GGUF_NAMES[name]].data
-        assert np.array_equal(to_gguf_rows(name, rebuilt.numpy(), "llama"), dequantize(raw, T.Q8_0))
+        assert np.array_equal(to_gguf_rows(name, rebuilt.numpy(), "llama"), dequantize(raw, qtype))
+        if qtype == T.Q5_0:
+            assert -16 <= int(groups.q.min()) and int(groups.q.max()) <= 15
+
+
+def test_int8_layers_run_q5_0_and_q8_0_weights_close_to_their_exact_values(tmp_path):
+    """bf16 on the CPU: a Qwen2 model's Q5_0 projections (biases and all) and its Q8_0 output
+    layer run on their int8 groups, a prompt pass through the unpacked weights and decode
+    steps through the int8 products, within bf16's reach of the fp32 model on the exact
+    weights; the memory they hold is the groups', not bf16 copies."""
+    from kvchat.core import cpu_ops
+    from kvchat.core.linear import Int8Linear
+    from kvchat.core.model import Transformer
+    from kvchat.kv.dense import DenseBackend
+
+    if cpu_ops.load() is None:
+        pytest.skip("no C++ compiler: the int8 products are not built")
+    hf = random_model("qwen2", tied=False)
+    hf = {name: w * 0.05 for name, w in hf.items()}  # a stable scale through the layers
+    path = tmp_path / "m.gguf"
+    tensors = {}
+    for name, w in hf.items():
+        qtype = (T.Q8_0 if name == "lm_head.weight" else T.Q5_0) if w.ndim == 2 else T.F32
+        tensors[GGUF_NAMES[name]] = (quantize(w, qtype), qtype)
+    write_gguf(path, "qwen2", tensors, base_metadata("qwen2"))
+    model = Transformer(load_gguf(path), dtype=torch.bfloat16, weight_format="int4")
+    exact = Transformer(load_gguf(path), dtype=torch.float32, weight_format="dense")
+    linears = [m for layer in model.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    assert all(isinstance(m, Int8Linear) for m in [*linears, model.lm_head])
+    matrices = sum(w.size for name, w in hf.items() if w.ndim == 2 and "embed" not in name)
+    assert sum(m.nbytes for m in [*linears, model.lm_head]) < 1.2 * matrices  # int8, padded
+
+    cfg = model.cfg
+    prompt = torch.tensor([3, 17, 5, 29, 11, 2, 8, 30] * 10)  # 80 rows: past UNPACK_ROWS
+
+    def run(m: Transformer, dtype: torch.dtype) -> list[torch.Tensor]:
+        cache = DenseBackend(
+            cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, m.rope, dtype, "cpu", 96
+        )
+        logits = [m.forward(prompt, cache)]
+        for token in (4, 9, 21):
+            logits.append(m.forward(torch.tensor([token]), cache))
+        return logits
+
+    ours, exact_logits = run(model, torch.bfloat16), run(exact, torch.float32)
+    for got, want in zip(ours, exact_logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
 
 
 # --- the real model: Q/K permutation and everything else against transformers --------------

@@ -251,8 +251,12 @@ def test_plan_says_how_it_computes(capsys):
     from kvchat.native.cpu import cpu_level
 
     assert main(["plan"]) == 0
-    first = capsys.readouterr().out.splitlines()[0]
+    first, second = capsys.readouterr().out.splitlines()[:2]
     assert first.startswith("compute: ")
+    # SmolLM2's Q4_1 layers as int4, its Q8_0 table as int8 (the head) and bf16 (embedding).
+    assert second.startswith("weights as loaded: ")
+    held = [part.split()[0] for part in second.removeprefix("weights as loaded: ").split(", ")]
+    assert sorted(held) == ["bfloat16", "int4", "int8"]
     assert f"{cpu_level().value} kernels" in first
     assert "bfloat16 activations and KV" in first and "weights int4" in first
 
