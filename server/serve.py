@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import signal
 import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -74,10 +75,13 @@ def serve(
     # On SIGINT/SIGTERM uvicorn waits for open replies; a reply still streaming after that is
     # cancelled, which stops its request in the engine within a chunk or a token.
     class Server(uvicorn.Server):
+        interrupted = False  # by Ctrl-C
+
         def handle_exit(self, sig: int, frame: object) -> None:
             # Open replies end at once (with an error event) instead of when cancelled after
             # the grace period.
             worker.cancel_all()
+            self.interrupted |= sig == signal.SIGINT
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(
@@ -95,3 +99,7 @@ def serve(
         server.run(sockets=[sock])
     finally:
         worker.close()
+    if server.interrupted:
+        # uvicorn raises the signal again once it has stopped, but asyncio's SIGINT handler
+        # lets it pass when the serving task is already ending: Ctrl-C ends as it always does.
+        raise KeyboardInterrupt
