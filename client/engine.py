@@ -51,12 +51,6 @@ class RemoteConversation:
     def has_document(self) -> bool:
         return bool(self.document_text)
 
-    def add_turn(self, question: str, answer: str) -> None:
-        self.messages += [
-            {"role": "user", "content": question},
-            {"role": "assistant", "content": answer},
-        ]
-
 
 class RemoteSession(Turns[RemoteConversation]):
     """One conversation on the server. The server holds its cache: `tokens` is empty here."""

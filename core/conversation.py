@@ -81,7 +81,9 @@ class Conversation:
         return tokenizer.encode_chat(before) + self.document_ids + tokenizer.encode_chat(after)
 
     def add_turn(self, question: str, answer: str) -> None:
-        self.messages += [
-            {"role": "user", "content": question},
-            {"role": "assistant", "content": answer},
-        ]
+        self.messages += turn_messages(question, answer)
+
+
+def turn_messages(question: str, answer: str) -> list[dict[str, str]]:
+    """One turn as chat messages: the user's question, then the assistant's answer."""
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]

@@ -139,8 +139,7 @@ class PackedInt4Linear:
         self.out_features = pack.out_features
         self.format = "int4"
         self.nbytes = self.read_bytes = pack.nbytes + _nbytes(bias)
-        widened = widened_products(torch.device("cpu"), torch.bfloat16)
-        self._unpack_rows = None if widened else self.UNPACK_ROWS
+        self._unpack_rows = _unpack_rows(self.UNPACK_ROWS)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -196,8 +195,7 @@ class Int8Linear:
         self.out_features = groups.q.shape[0]
         self.format = "int8"
         self.nbytes = self.read_bytes = _nbytes(self.packed, self.scale, bias)
-        widened = widened_products(torch.device("cpu"), torch.bfloat16)
-        self._unpack_rows = None if widened else self.UNPACK_ROWS
+        self._unpack_rows = _unpack_rows(self.UNPACK_ROWS)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -210,6 +208,12 @@ class Int8Linear:
                 weight = self._ops.int8_dequantize(self.packed, self.scale)[: self.out_features]
             y = F.linear(rows.bfloat16(), weight, self.bias)
         return y.to(self.out_dtype).reshape(*x.shape[:-1], -1)
+
+
+def _unpack_rows(rows: int) -> int | None:
+    """`rows`, from which a quantized layer unpacks its weight for a bf16 product; None where
+    bf16 products are not in hardware (its integer product then takes every row)."""
+    return None if widened_products(torch.device("cpu"), torch.bfloat16) else rows
 
 
 def _nbytes(*tensors: torch.Tensor | None) -> int:
@@ -233,28 +237,18 @@ def make_linear(
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight format {weight_format!r}; choose one of {WEIGHT_FORMATS}")
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
-    usable_int4 = (
-        weight_format == "int4"
-        and device.type == "cpu"
-        and all(g is not None for g in int4)
-        and mats[0].shape[1] % GROUP_SIZE == 0
+    # The file's groups run as they are on the CPU, along whole groups of inputs.
+    grouped = (
+        weight_format == "int4" and device.type == "cpu" and mats[0].shape[1] % GROUP_SIZE == 0
     )
-    if usable_int4:
+    if grouped and all(g is not None for g in int4):
         groups = Int4Groups.cat(int4)  # type: ignore[arg-type]
         own = ops is not None and ops.int4_vectorized and dtype == torch.bfloat16
         pack = pack_int4(groups) if own else None
         if pack is not None:
             return PackedInt4Linear(pack, bias, ops)  # type: ignore[arg-type]
         return Int4Linear(groups, bias, dtype)
-    usable_int8 = (
-        weight_format == "int4"
-        and device.type == "cpu"
-        and ops is not None
-        and dtype == torch.bfloat16
-        and all(g is not None for g in int8)
-        and mats[0].shape[1] % GROUP_SIZE == 0
-    )
-    if usable_int8:
+    if grouped and ops is not None and dtype == torch.bfloat16 and all(g is not None for g in int8):
         return Int8Linear(Int8Groups.cat(int8), bias, ops, dtype)  # type: ignore[arg-type]
     weight = torch.cat(mats).to(device=device, dtype=dtype).contiguous()
     return DenseLinear(weight, bias)

@@ -160,12 +160,13 @@ class Transformer:
             )
         return decode
 
+    def _projections(self) -> list[Linear]:
+        return [m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+
     @property
     def nbytes(self) -> int:
         """Bytes of weights held (embedding table included)."""
-        linears = [
-            m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ]
+        linears = self._projections()
         vectors = [v for layer in self.layers for v in (layer.attn_norm, layer.mlp_norm)]
         return (
             sum(m.nbytes for m in linears)
@@ -178,10 +179,7 @@ class Transformer:
         """Bytes of weights held, by what they are held as ("int4", "int8", "bfloat16", ...),
         largest first; they add up to nbytes."""
         held: dict[str, int] = {}
-        linears = [
-            m for layer in self.layers for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        ]
-        for m in [*linears, self.lm_head]:
+        for m in [*self._projections(), self.lm_head]:
             held[m.format] = held.get(m.format, 0) + m.nbytes
         # The rest: the embedding table (less the head's share of it) and the norms.
         dense = str(self.dtype).removeprefix("torch.")
@@ -191,11 +189,7 @@ class Transformer:
     @property
     def decode_read_bytes(self) -> int:
         """Bytes of weights one decode step reads: every matrix and norm, one embedding row."""
-        matrices = sum(
-            m.read_bytes
-            for layer in self.layers
-            for m in (layer.qkv, layer.o, layer.gate_up, layer.down)
-        )
+        matrices = sum(m.read_bytes for m in self._projections())
         norms = len(self.layers) * 2 * self.cfg.hidden_size * self.dtype.itemsize
         row = self.embed.shape[1] * self.embed.element_size()
         head = self.lm_head.read_bytes + self.norm.numel() * self.norm.element_size()

@@ -12,6 +12,8 @@ from typing import Generic, Protocol, TypeVar
 
 from kvchat.config import GenerationSettings, Settings
 
+from .conversation import turn_messages
+
 ProgressFn = Callable[[int, int], None]
 
 
@@ -31,8 +33,6 @@ class TurnsConversation(Protocol):
 
     @property
     def has_document(self) -> bool: ...
-
-    def add_turn(self, question: str, answer: str) -> None: ...
 
 
 class HasSettings(Protocol):
@@ -137,8 +137,7 @@ class Turns(Generic[C]):
                 pieces.append(text)
                 yield text
         finally:
-            del self._conversation.messages[kept:]
-            self._conversation.add_turn(question, "".join(pieces))
+            self._conversation.messages[kept:] = turn_messages(question, "".join(pieces))
             self._answer_count += 1
 
     def _reply(
