@@ -2,9 +2,10 @@
 
 The small ones replace several torch ops of a decode step with one call computing the same
 bf16 values but for rare last-bit roundings (RMSNorm: ~2 us here against eight ops' ~38 us;
-SiLU-and-multiply: three); `int8_linear` runs the output layer on a GGUF's Q8_0 weights as
-stored; the int4 ones run Q4_0 / Q4_1 products on packed weights (core/int4_layer.py). Built on
-first use by kvchat.native; where they cannot be built the model keeps its torch code.
+SiLU-and-multiply: three); `int8_linear` runs a GGUF's Q8_0, Q5_0 and Q6_K weights as
+stored; the int4 ones run Q4_0 / Q4_1 / Q4_K products on packed weights
+(core/int4_layer.py). Built on first use by kvchat.native; where they cannot be built the
+model keeps its torch code.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
-from gguf.quants import dequantize
+from gguf.quants import Q4_K, dequantize
 
 from .gguf_header import read_gguf_header
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, UnsupportedModelError
@@ -31,9 +31,10 @@ SUPPORTED_TYPES = frozenset(
     {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1}
     | {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
 )
-INT4_TYPES = frozenset({T.Q4_0, T.Q4_1})
-# Types whose values are integers that fit int8, with one scale per block of 32.
-INT8_TYPES = frozenset({T.Q8_0, T.Q5_0})
+# Types whose values are 4-bit integers with a scale and a minimum per 32.
+INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
+# Types whose values are integers that fit int8, with one scale per 32 (per 16: Q6_K).
+INT8_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q6_K})
 # llama.cpp's converter interleaves the Q/K rows of these architectures (Qwen2 is left alone).
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
@@ -67,10 +68,10 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 
 def load_gguf(path: Path, on_progress: Callable[[int, int], None] | None = None) -> ModelWeights:
-    """Every decoder tensor of a GGUF file: int4 groups (Q4_0, Q4_1) and int8 groups (Q8_0,
-    Q5_0) for the types that keep them, float32 on demand for all (LazyTensors); the config,
-    names, types and shapes are checked before anything is read. `on_progress(done, total)`
-    follows the tensors as they are read."""
+    """Every decoder tensor of a GGUF file: int4 groups (Q4_0, Q4_1, Q4_K) and int8 groups
+    (Q8_0, Q5_0, Q6_K) for the types that keep them, float32 on demand for all (LazyTensors);
+    the config, names, types and shapes are checked before anything is read.
+    `on_progress(done, total)` follows the tensors as they are read."""
     reader = _open(path)
     metadata = _metadata(reader, path)
     by_name = {t.name: t for t in reader.tensors}
@@ -330,9 +331,12 @@ def _plan(
 
 
 def _int4_groups(tensor: ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(q, scale, minimum) of a Q4_0 / Q4_1 tensor such that q * scale + minimum is exact."""
+    """(q, scale, minimum) of a Q4_0 / Q4_1 / Q4_K tensor such that q * scale + minimum is
+    exact."""
     rows = tensor.data.shape[0]
     blocks = tensor.data.reshape(rows, -1, GGML_QUANT_SIZES[tensor.tensor_type][1])
+    if tensor.tensor_type == T.Q4_K:
+        return _q4_k_groups(blocks)
     scale = _half(blocks[..., 0:2])
     if tensor.tensor_type == T.Q4_1:
         minimum, packed = _half(blocks[..., 2:4]), blocks[..., 4:]
@@ -343,10 +347,27 @@ def _int4_groups(tensor: ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.ndarr
     return q, scale, minimum
 
 
+def _q4_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q4_K super-blocks [rows, n, 144] as 4-bit groups of 32: sub-block j's value d * sc_j * q
+    - dmin * m_j, with scale d * sc_j and minimum -(dmin * m_j), exact float32 products of an
+    fp16 and a 6-bit integer (gguf's own arithmetic, so the sums are bit for bit its too)."""
+    rows, n = blocks.shape[:2]
+    sc, m = (a.reshape(rows, n, 8) for a in Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12)))
+    scale = _half(blocks[..., 0:2])[..., None] * sc.astype(np.float32)
+    minimum = -(_half(blocks[..., 2:4])[..., None] * m.astype(np.float32))
+    # Bytes 32 k .. 32 k + 31 of the 128 hold sub-block 2 k in their low nibbles, 2 k + 1 high.
+    packed = blocks[..., 16:].reshape(rows, n, 4, 1, 32)
+    q = np.concatenate([packed & 0x0F, packed >> 4], axis=-2)
+    return q.reshape(rows, -1), scale.reshape(rows, -1), minimum.reshape(rows, -1)
+
+
 def _int8_groups(tensor: ReaderTensor) -> tuple[np.ndarray, np.ndarray]:
-    """(q, scale) of a Q8_0 or Q5_0 tensor, int8 values q such that q * scale is exact."""
+    """(q, scale) of a Q8_0, Q5_0 or Q6_K tensor, int8 values q such that q * scale is exact
+    (a scale per 32 values, per 16 for Q6_K)."""
     rows = tensor.data.shape[0]
     blocks = tensor.data.reshape(rows, -1, GGML_QUANT_SIZES[tensor.tensor_type][1])
+    if tensor.tensor_type == T.Q6_K:
+        return _q6_k_groups(blocks)
     if tensor.tensor_type == T.Q8_0:  # an fp16 scale, then 32 int8 values
         q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
     else:  # Q5_0: an fp16 scale, 32 high bits, 16 bytes of low nibbles; values 0..31 less 16
@@ -356,6 +377,21 @@ def _int8_groups(tensor: ReaderTensor) -> tuple[np.ndarray, np.ndarray]:
         low = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
         q = ((low | (high << 4)) - np.uint8(16)).view(np.int8)  # -16..15, wrapped in uint8
     return q.reshape(rows, -1), _half(blocks[..., 0:2])
+
+
+def _q6_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q6_K super-blocks [rows, n, 210] as int8 values -32..31 with a scale per 16: d * sc, an
+    exact float32 product of an fp16 and an int8 (as gguf computes it)."""
+    rows, n = blocks.shape[:2]
+    # Each half of 128 values: 64 bytes of low nibbles (values 0..63 low, then 64..127 high)
+    # and 32 bytes of 2-bit high parts (values 32 i + j at bits 2 i of byte j).
+    low = blocks[..., :128].reshape(rows, n, 2, 1, 64) >> np.array([0, 4], np.uint8)[:, None]
+    high = (
+        blocks[..., 128:192].reshape(rows, n, 2, 1, 32) >> np.array([0, 2, 4, 6], np.uint8)[:, None]
+    )
+    q = (low & 0x0F).reshape(rows, n, 2, 4, 32) | ((high & 0x03) << 4)
+    scale = _half(blocks[..., 208:210])[..., None] * blocks[..., 192:208].view(np.int8)
+    return (q - np.uint8(32)).view(np.int8).reshape(rows, -1), scale.reshape(rows, -1)
 
 
 def _half(two_bytes: np.ndarray) -> np.ndarray:

@@ -27,7 +27,8 @@ class Int4Pack:
     32 g + 8 c + j in its low nibble and 32 g + 8 c + 4 + j in its high one: a chunk's low
     (high) nibbles are 16 rows' 4 adjacent inputs, one row to a 32-bit lane, which one
     vpdpbusd multiplies by those 4 (broadcast) int8 inputs. scale and minimum are the file's
-    fp16 values, [N / 16, K / 32, 16]."""
+    values, [N / 16, K / 32, 16]: fp16 (Q4_0, Q4_1) or, where fp16 does not hold them, fp32
+    (Q4_K's d * sc and dmin * m)."""
 
     packed: torch.Tensor  # uint8 [N / 16, 8 K]
     scale: torch.Tensor
@@ -47,15 +48,15 @@ class Int4Pack:
 
 
 def pack_int4(groups: Int4Groups) -> Int4Pack | None:
-    """`groups` in int4_layer.cpp's layout, or None where it does not apply: N not a multiple
-    of 16, or scales and minimums that fp16 does not hold exactly (a GGUF's always are)."""
+    """`groups` in int4_layer.cpp's layout, or None where it does not apply (N not a multiple
+    of 16). Scales and minimums stay fp16 where fp16 holds them exactly, else fp32."""
     q, scale, minimum = groups.q, groups.scale, groups.minimum
     n, k = q.shape
     if n % 16 or k % GROUP_SIZE:
         return None
     half_scale, half_minimum = scale.half(), minimum.half()
-    if not (torch.equal(half_scale.float(), scale) and torch.equal(half_minimum.float(), minimum)):
-        return None
+    if torch.equal(half_scale.float(), scale) and torch.equal(half_minimum.float(), minimum):
+        scale, minimum = half_scale, half_minimum
     tiles, n_groups = n // 16, k // GROUP_SIZE
     # [tile, row, group, chunk, low/high, j] -> [tile, group, chunk, row, j, low/high]
     q = q.view(tiles, 16, n_groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
@@ -64,7 +65,7 @@ def pack_int4(groups: Int4Groups) -> Int4Pack | None:
     def per_tile(t: torch.Tensor) -> torch.Tensor:
         return t.view(tiles, 16, n_groups).transpose(1, 2).contiguous()
 
-    return Int4Pack(packed, per_tile(half_scale), per_tile(half_minimum))
+    return Int4Pack(packed, per_tile(scale), per_tile(minimum))
 
 
 class Int4DecodeLayer:

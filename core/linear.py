@@ -1,11 +1,11 @@
 """Linear layers in the weight format that runs fastest for the file and the compute dtype.
 
-GGUF Q4_0/Q4_1 weights are exact 4-bit integers in groups of 32, so on the CPU with bf16
+GGUF Q4_0/Q4_1/Q4_K weights are exact 4-bit integers in groups of 32, so on the CPU with bf16
 activations they run as int4 and read a quarter of the bytes: through core/csrc/int4_layer.cpp
 where it has a vector path for the CPU (AVX-512 VNNI, AVX2), else through PyTorch's int4
-group-32 kernel. Q8_0 and Q5_0 weights are exact 8-bit integers in groups of 32 and run as
-int8 through core/csrc/decoder_ops.cpp, reading half the bytes. Every other case is a plain
-matrix in the compute dtype.
+group-32 kernel. Q8_0 and Q5_0 weights are exact 8-bit integers in groups of 32, Q6_K's in
+groups of 16, and run as int8 through core/csrc/decoder_ops.cpp, reading half the bytes.
+Every other case is a plain matrix in the compute dtype.
 
 Products of many rows in bf16 run in hardware where the CPU has bf16 products
 (kvchat.native.cpu); elsewhere torch emulates them at a fraction of fp32's speed, so they run in
@@ -152,11 +152,11 @@ class PackedInt4Linear:
 
 
 def pack_int8(groups: Int8Groups) -> tuple[torch.Tensor, torch.Tensor]:
-    """A Q8_0 weight [N, K] in decoder_ops.cpp's int8_linear layout: (packed uint8 [N' / 16,
-    16 K], scale fp32 [N' / 16, K / 32, 16]), N' = N rounded up to 16 with zero rows. Tile t's
-    group g is 8 chunks of 64 bytes; byte 4 r + j of chunk c holds row 16 t + r's value for
-    input 32 g + 4 c + j plus 128 (an unsigned byte, as vpdpbusd multiplies): a chunk is 16
-    rows' 4 adjacent inputs, one row to a 32-bit lane."""
+    """An int8 weight [N, K] in decoder_ops.cpp's int8_linear layout: (packed uint8 [N' / 16,
+    16 K], scale fp32 [N' / 16, K / G, 16] for a scale per G inputs, 32 or 16), N' = N rounded
+    up to 16 with zero rows. Tile t's group g is 8 chunks of 64 bytes; byte 4 r + j of chunk c
+    holds row 16 t + r's value for input 32 g + 4 c + j plus 128 (an unsigned byte, as vpdpbusd
+    multiplies): a chunk is 16 rows' 4 adjacent inputs, one row to a 32-bit lane."""
     q, scale = groups.q, groups.scale
     pad = -q.shape[0] % 16
     if pad:
@@ -166,15 +166,16 @@ def pack_int8(groups: Int8Groups) -> tuple[torch.Tensor, torch.Tensor]:
     shifted = q.view(torch.uint8) ^ 0x80  # the int8 value plus 128
     # [tile, row, group, chunk, j] -> [tile, group, chunk, row, j]
     packed = shifted.view(tiles, 16, n_groups, 8, 4).permute(0, 2, 3, 1, 4)
-    per_tile = scale.view(tiles, 16, n_groups).transpose(1, 2)
+    per_tile = scale.view(tiles, 16, scale.shape[1]).transpose(1, 2)
     return packed.reshape(tiles, n_groups * 512).contiguous(), per_tile.contiguous()
 
 
 class Int8Linear:
     """y = x @ W.T + b on a GGUF's int8 weights (W = q * scale per 32 inputs: Q8_0, and Q5_0's
-    5-bit values) as stored, in tiles of 16 rows (pack_int8). Rows up to a few dozen (every
-    decode step's, a prefill's last token) go through core/cpu_ops.py's int8 product, which
-    reads half the bytes of a bf16 copy and is exact but for the inputs' rounding to 16-bit
+    5-bit values; per 16: Q6_K's 6-bit values) as stored, in tiles of 16 rows (pack_int8).
+    Rows up to a few dozen (every decode step's, a prefill's last token) go through
+    core/cpu_ops.py's int8 product, which reads at most 5/8 of the bytes of a bf16 copy (a
+    scale per 16) and is exact but for the inputs' rounding to 16-bit
     integers per group of 32 (a bf16 copy rounds every weight). More rows (prefill chunks)
     go, where bf16 products are in hardware, through a bf16 product with `table` (a bf16 copy
     the model holds anyway: a tied embedding) or else with the weight unpacked for the call;

@@ -20,8 +20,8 @@ from kvchat.config.home import Place, folder_for, private_folder
 
 from .model_config import ModelConfig
 
-# Int4Groups' and Int8Groups' group width along the input dimension (GGUF Q4_0 / Q4_1 / Q8_0
-# blocks).
+# Int4Groups' group width along the input dimension, and Int8Groups' but for Q6_K's (GGUF
+# Q4_0 / Q4_1 / Q8_0 blocks, Q4_K's sub-blocks).
 GROUP_SIZE = 32
 
 
@@ -60,20 +60,33 @@ class Int4Groups:
 @dataclass(frozen=True)
 class Int8Groups:
     """A weight stored exactly as 8-bit integers with a scale per group of 32 inputs (GGUF
-    Q8_0, and Q5_0's 5-bit values): weight = q * scale, the product exact in float32."""
+    Q8_0, and Q5_0's 5-bit values) or of 16 (Q6_K's 6-bit values): weight = q * scale, the
+    product exact in float32."""
 
     q: torch.Tensor  # int8 [out_features, in_features]
-    scale: torch.Tensor  # float32 [out_features, in_features // 32]
+    scale: torch.Tensor  # float32 [out_features, in_features // group_size]
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [out_features, in_features]."""
         rows = self.q.shape[0]
-        grouped = self.q.reshape(rows, -1, GROUP_SIZE).to(torch.float32)
+        grouped = self.q.reshape(rows, -1, self.group_size).to(torch.float32)
         return (grouped * self.scale[..., None]).reshape(rows, -1)
+
+    def regrouped(self, group_size: int) -> Int8Groups:
+        """The same weight with a scale per `group_size` inputs (a divisor of this one's)."""
+        repeats = self.group_size // group_size
+        return Int8Groups(self.q, self.scale.repeat_interleave(repeats, dim=1))
 
     @staticmethod
     def cat(groups: list[Int8Groups]) -> Int8Groups:
-        """Weights stacked along the output dimension (a fused projection)."""
+        """Weights stacked along the output dimension (a fused projection), on the finest
+        group size among them."""
+        size = min(g.group_size for g in groups)
+        groups = [g.regrouped(size) for g in groups]
         return Int8Groups(
             q=torch.cat([g.q for g in groups]), scale=torch.cat([g.scale for g in groups])
         )
@@ -152,10 +165,11 @@ def _rows_of(tensor: torch.Tensor) -> RowMaker:
 class ModelWeights:
     config: ModelConfig
     tensors: LazyTensors  # Hugging Face names, float32 (a plain mapping is wrapped)
-    int4: dict[str, Int4Groups]  # the subset of `tensors` stored as Q4_0 / Q4_1
+    int4: dict[str, Int4Groups]  # the subset of `tensors` stored as Q4_0 / Q4_1 / Q4_K
     source: Path  # the resolved file or folder
     metadata: dict[str, object]  # GGUF key/values or the HF config.json dict
-    int8: dict[str, Int8Groups] = field(default_factory=dict)  # the subset stored as Q8_0
+    # the subset stored as Q8_0, Q5_0 or Q6_K
+    int8: dict[str, Int8Groups] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.tensors = LazyTensors.of(self.tensors)

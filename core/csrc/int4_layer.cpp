@@ -15,7 +15,8 @@
 // that a group's 8 products a row never overflow (|8 * 2 * 15 * 128| < 2^15), widened once a
 // group with vpmaddwd. Either way D = 256 sum q h + sum q l over a group (under 2^24, so exact
 // in fp32 too), which adds scale dx D + minimum X to each row, X = sum x in fp32. The scales
-// stay the file's fp16 values (torch's int4 kernel rounds them to bf16).
+// stay the file's values: fp16 for Q4_0 and Q4_1, fp32 for Q4_K (a sub-block's d * sc and
+// dmin * m, exact only in fp32); torch's int4 kernel rounds them to bf16.
 //
 // Why integer inputs: a nibble made a bf16 takes six vector ops for 64 products where the two
 // vpdpbusd take five for 128, so a bf16 kernel is bound by its arithmetic even with the
@@ -60,25 +61,51 @@ using kvchat::quantize_groups;
 using kvchat::broadcast4;
 #endif
 
-// A weight in pack_int4's layout: K inputs, T tiles of 16 output rows.
+// A weight in pack_int4's layout: K inputs, T tiles of 16 output rows, scales and minimums in
+// fp16 or, where `wide`, fp32.
 struct Int4Matrix {
   const uint8_t* packed;
-  const uint16_t* scale;
-  const uint16_t* minimum;
+  const void* scale;
+  const void* minimum;
+  bool wide;
   int64_t K;
   int64_t T;
 };
 
-// parts = (packed uint8 [T, 8 K], scale and minimum fp16 [T, K / 32, 16]), held contiguous by
-// the caller (the kernels keep pointers into them).
+// Value `at` of a matrix's scales or minimums `p`.
+inline float scale_at(const void* p, bool wide, int64_t at) {
+  if (wide) return static_cast<const float*>(p)[at];
+  return static_cast<float>(c10::Half(static_cast<const uint16_t*>(p)[at], c10::Half::from_bits()));
+}
+
+#if KVCHAT_VNNI
+// Values at .. at + 15 of a matrix's scales or minimums.
+inline __m512 scales16(const void* p, bool wide, int64_t at) {
+  if (wide) return _mm512_loadu_ps(static_cast<const float*>(p) + at);
+  return _mm512_cvtph_ps(
+      _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint16_t*>(p) + at)));
+}
+#elif KVCHAT_AVX2_INT
+// Values at .. at + 7 of a matrix's scales or minimums.
+inline __m256 scales8(const void* p, bool wide, int64_t at) {
+  if (wide) return _mm256_loadu_ps(static_cast<const float*>(p) + at);
+  return _mm256_cvtph_ps(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(static_cast<const uint16_t*>(p) + at)));
+}
+#endif
+
+// parts = (packed uint8 [T, 8 K], scale and minimum fp16 or fp32 [T, K / 32, 16]), held
+// contiguous by the caller (the kernels keep pointers into them).
 Int4Matrix int4_matrix(const std::vector<torch::Tensor>& parts, int64_t K, const char* what) {
   TORCH_CHECK(parts.size() == 3, what, ": (packed, scale, minimum)");
   const auto& packed = parts[0];
   const auto& scale = parts[1];
   const auto& minimum = parts[2];
-  TORCH_CHECK(packed.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf &&
-                  minimum.scalar_type() == at::kHalf,
-              what, ": uint8 packed values, fp16 scales and minimums");
+  const bool wide = scale.scalar_type() == at::kFloat;
+  TORCH_CHECK(packed.scalar_type() == at::kByte &&
+                  (wide || scale.scalar_type() == at::kHalf) &&
+                  minimum.scalar_type() == scale.scalar_type(),
+              what, ": uint8 packed values, fp16 or fp32 scales and minimums of one type");
   TORCH_CHECK(packed.is_contiguous() && scale.is_contiguous() && minimum.is_contiguous(), what,
               ": contiguous parts");
   const int64_t T = packed.dim() == 2 ? packed.size(0) : 0;
@@ -87,8 +114,7 @@ Int4Matrix int4_matrix(const std::vector<torch::Tensor>& parts, int64_t K, const
                   minimum.sizes() == scale.sizes(),
               what, ": packed [N / 16, 8 K], scale and minimum [N / 16, K / 32, 16] for ", K,
               " inputs, K a multiple of 32");
-  return {packed.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scale.data_ptr()),
-          reinterpret_cast<const uint16_t*>(minimum.data_ptr()), K, T};
+  return {packed.data_ptr<uint8_t>(), scale.data_ptr(), minimum.data_ptr(), wide, K, T};
 }
 
 const uint16_t* bf16_data(const torch::Tensor& t, int64_t numel, const char* what) {
@@ -141,10 +167,8 @@ void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out
     const __m512 dx = _mm512_set1_ps(x.scale[g]), sum = _mm512_set1_ps(x.sums[g]);
     for (int i = 0; i < NT; ++i) {
       const int64_t at = ((t + i) * G + g) * 16;
-      const __m512 s =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.scale + at)));
-      const __m512 mn =
-          _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(m.minimum + at)));
+      const __m512 s = scales16(m.scale, m.wide, at);
+      const __m512 mn = scales16(m.minimum, m.wide, at);
       const __m512 d =
           _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high[i], 8), low[i]));
       acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s, dx), d, acc[i]);
@@ -196,9 +220,8 @@ void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out
     for (int i = 0; i < NT; ++i)
       for (int half = 0; half < 2; ++half) {
         const int64_t at = ((t + i) * G + g) * 16 + 8 * half;
-        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m.scale + at)));
-        const __m256 mn =
-            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m.minimum + at)));
+        const __m256 s = scales8(m.scale, m.wide, at);
+        const __m256 mn = scales8(m.minimum, m.wide, at);
         const __m256i d = _mm256_add_epi32(
             _mm256_slli_epi32(_mm256_madd_epi16(high[i][half], ones), 8),
             _mm256_madd_epi16(low[i][half], ones));
@@ -248,10 +271,8 @@ void int4_rows(const Int4Matrix& m, const QuantRow* x, int64_t t, int h, int64_t
       }
     }
     const int64_t at = (t * G + g) * 16 + 8 * h;
-    const __m256 s =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m.scale + at)));
-    const __m256 mn =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m.minimum + at)));
+    const __m256 s = scales8(m.scale, m.wide, at);
+    const __m256 mn = scales8(m.minimum, m.wide, at);
     for (int r = 0; r < R; ++r) {
       const __m256i d = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(high[r], ones), 8),
                                          _mm256_madd_epi16(low[r], ones));
@@ -277,8 +298,8 @@ void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out
     float acc = 0.f;
     for (int64_t g = 0; g < G; ++g) {
       const int64_t at = (tile * G + g) * 16 + r;
-      const float s = static_cast<float>(c10::Half(m.scale[at], c10::Half::from_bits()));
-      const float mn = static_cast<float>(c10::Half(m.minimum[at], c10::Half::from_bits()));
+      const float s = scale_at(m.scale, m.wide, at);
+      const float mn = scale_at(m.minimum, m.wide, at);
       int32_t dot = 0;
       for (int c = 0; c < 4; ++c)
         for (int j = 0; j < 4; ++j) {
@@ -396,8 +417,8 @@ torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scale, torch::
       for (int64_t g = 0; g < K / 32; ++g)
         for (int r = 0; r < 16; ++r) {
           const int64_t at = (t * (K / 32) + g) * 16 + r;
-          const float s = static_cast<float>(c10::Half(m.scale[at], c10::Half::from_bits()));
-          const float mn = static_cast<float>(c10::Half(m.minimum[at], c10::Half::from_bits()));
+          const float s = scale_at(m.scale, m.wide, at);
+          const float mn = scale_at(m.minimum, m.wide, at);
           uint16_t* row = op + (16 * t + r) * K + 32 * g;
           for (int c = 0; c < 4; ++c)
             for (int j = 0; j < 4; ++j) {

@@ -33,8 +33,9 @@
 namespace kvchat {
 
 // A quantized row: the 16-bit integers and their halves, each group's scale, its exact sum X
-// in fp32 (what an int4 weight's minimum multiplies) and the sum of its 16-bit integers (what
-// the int8 weights' offset of 128 multiplies).
+// in fp32 (what an int4 weight's minimum multiplies) and the sums of its 16-bit integers over
+// each half group of 16 (what the int8 weights' offset of 128 multiplies: Q6_K's scales cover
+// 16 inputs each).
 struct QuantRow {
   const int16_t* x16;
   const int8_t* high;
@@ -51,10 +52,10 @@ struct QuantBuffer {
   std::vector<float> scale, sums;
   std::vector<int32_t> int_sums;
   explicit QuantBuffer(int64_t K)
-      : x16(K), high(K), low(K), scale(K / 32), sums(K / 32), int_sums(K / 32) {}
+      : x16(K), high(K), low(K), scale(K / 32), sums(K / 32), int_sums(K / 16) {}
   QuantRow row(int64_t g0 = 0) const {
     return {x16.data() + 32 * g0, high.data() + 32 * g0, low.data() + 32 * g0,
-            scale.data() + g0,    sums.data() + g0,      int_sums.data() + g0};
+            scale.data() + g0,    sums.data() + g0,      int_sums.data() + 2 * g0};
   }
 };
 
@@ -73,18 +74,19 @@ void quantize_groups(const T* x, int64_t K, QuantBuffer& b, int64_t g0 = 0) {
       sum += v[i];
     }
     const float inv = amax > 0.f ? 32512.f / amax : 0.f;
-    int32_t int_sum = 0;
+    int32_t int_sum[2] = {0, 0};
     for (int i = 0; i < 32; ++i) {
       const auto x16 = static_cast<int32_t>(std::nearbyint(v[i] * inv));  // |x16| <= 127 * 256
       const int32_t high = (x16 + 128) >> 8;  // floor: low = x16 - 256 high is in [-128, 127]
       b.x16[32 * (g0 + g) + i] = static_cast<int16_t>(x16);
       b.high[32 * (g0 + g) + i] = static_cast<int8_t>(high);
       b.low[32 * (g0 + g) + i] = static_cast<int8_t>(x16 - 256 * high);
-      int_sum += x16;
+      int_sum[i / 16] += x16;
     }
     b.scale[g0 + g] = amax / 32512.f;
     b.sums[g0 + g] = sum;
-    b.int_sums[g0 + g] = int_sum;
+    b.int_sums[2 * (g0 + g)] = int_sum[0];
+    b.int_sums[2 * (g0 + g) + 1] = int_sum[1];
   }
 }
 

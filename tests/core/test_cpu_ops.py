@@ -60,10 +60,11 @@ def test_the_ops_refuse_what_they_do_not_compute():
         OPS.int8_linear(torch.randn(1, 64).half(), *pack_int8(_groups(16, 64)))
 
 
-def _groups(out_features: int, in_features: int) -> Int8Groups:
+def _groups(out_features: int, in_features: int, group_size: int = 32) -> Int8Groups:
+    """Q8_0-like groups (a scale per 32), or Q6_K-like ones (`group_size` 16)."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
-    scale = torch.rand(out_features, in_features // 32, generator=gen) * 0.02
+    scale = torch.rand(out_features, in_features // group_size, generator=gen) * 0.02
     return Int8Groups(q, scale)
 
 
@@ -71,14 +72,15 @@ def _input_rounding(x: torch.Tensor, groups: Int8Groups) -> torch.Tensor:
     """The most the inputs' rounding to 16-bit integers per group of 32 (each within
     max |x| / 32512 / 2 of its value) can move each product: [rows, out_features]."""
     dx = x.double().view(x.shape[0], -1, 32).abs().amax(-1) / 32512
-    weight = groups.q.double().abs().view(groups.q.shape[0], -1, 32).sum(-1) * groups.scale
-    return (dx / 2) @ weight.double().T
+    weight = groups.dequantize().double().abs().view(groups.q.shape[0], -1, 32).sum(-1)
+    return (dx / 2) @ weight.T
 
 
+@pytest.mark.parametrize("group_size", [32, 16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_int8_linear_is_the_exact_weights_product_within_its_inputs_rounding(dtype):
+def test_int8_linear_is_the_exact_weights_product_within_its_inputs_rounding(dtype, group_size):
     """1000 rows: the last of 63 tiles of 16 is padded with zero rows."""
-    groups = _groups(1000, 576)
+    groups = _groups(1000, 576, group_size)
     x = _bf16(3, 576, seed=4).to(dtype)
     if dtype == torch.float32:
         x = x + torch.randn(3, 576, generator=torch.Generator().manual_seed(5)) * 1e-3
@@ -98,20 +100,32 @@ def test_int8_products_equal_the_machine_levels_bit_for_bit(at_level):
     with at_level(None):
         native = cpu_ops.build()
     assert native is not None
-    groups = _groups(1000, 576)
     x = _bf16(3, 576, seed=8)
-    packed = pack_int8(groups)
-    assert torch.equal(OPS.int8_linear(x, *packed), native.int8_linear(x, *packed))
+    for group_size in (32, 16):
+        packed = pack_int8(_groups(1000, 576, group_size))
+        assert torch.equal(OPS.int8_linear(x, *packed), native.int8_linear(x, *packed))
 
 
-def test_int8_dequantize_is_the_weight_rounded_to_bf16():
-    groups = _groups(1000, 576)
+@pytest.mark.parametrize("group_size", [32, 16])
+def test_int8_dequantize_is_the_weight_rounded_to_bf16(group_size):
+    groups = _groups(1000, 576, group_size)
     got = OPS.int8_dequantize(*pack_int8(groups))
     assert got.dtype == torch.bfloat16 and got.shape == (1008, 576)  # 63 tiles of 16
     assert torch.equal(got[:1000], groups.dequantize().bfloat16())
     assert not got[1000:].any()  # the padding rows
     with pytest.raises(RuntimeError, match="multiple of 32"):
         OPS.int8_dequantize(torch.zeros(1, 16 * 48, dtype=torch.uint8), torch.ones(1, 1, 16))
+    with pytest.raises(RuntimeError, match="S 1 or 2"):  # a scale per 8 inputs
+        OPS.int8_dequantize(torch.zeros(1, 16 * 64, dtype=torch.uint8), torch.ones(1, 8, 16))
+
+
+def test_projections_of_mixed_group_sizes_fuse_on_the_finer():
+    """A fused projection of Q8_0 and Q6_K parts (a Q4_K_M file's q, k and v) keeps each
+    part's exact weights, on a scale per 16."""
+    parts = [_groups(32, 64, 32), _groups(16, 64, 16)]
+    fused = Int8Groups.cat(parts)
+    assert fused.group_size == 16
+    assert torch.equal(fused.dequantize(), torch.cat([g.dequantize() for g in parts]))
 
 
 def test_int8_linear_runs_a_few_rows_as_int8_and_more_on_the_unpacked_weight():

@@ -368,10 +368,44 @@ def test_k_quants_match_an_independent_dequantizer(tmp_path, qtype):
 
     weights = load_gguf(path)
 
-    assert weights.int4 == {}
     for hf, want in expected.items():
         got = to_gguf_rows(hf, weights.tensors[hf].numpy(), "llama")
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=hf)
+
+
+@pytest.mark.parametrize(
+    ("qtype", "kind", "group_size"),
+    [(T.Q4_K, "int4", 32), (T.Q6_K, "int8", 16)],
+    ids=["Q4_K", "Q6_K"],
+)
+def test_k_quant_groups_reproduce_the_gguf_dequantization_exactly(
+    tmp_path, qtype, kind, group_size
+):
+    """Q4_K's sub-blocks are 4-bit groups of 32 (scale d * sc, minimum -dmin * m) and Q6_K's
+    are int8 groups of 16 (scale d * sc, values -32..31): gguf's own values, bit for bit."""
+    rng = np.random.default_rng(2)
+    tensors = {}
+    for name, shape in tensor_table("llama").values():
+        raw = rng.standard_normal(shape).astype(np.float32) if len(shape) == 1 else None
+        tensors[name] = raw if raw is not None else (random_blocks(rng, qtype, shape), qtype)
+    path = write_gguf(tmp_path / "k.gguf", "llama", tensors, base_metadata("llama"))
+    weights = load_gguf(path)
+    in_file = {t.name: t for t in GGUFReader(path).tensors}
+
+    held = weights.int4 if kind == "int4" else weights.int8
+    assert (weights.int8 if kind == "int4" else weights.int4) == {}
+    matrices = [hf for hf, (_, shape) in tensor_table("llama").items() if len(shape) == 2]
+    assert sorted(held) == sorted(matrices)
+    for hf in matrices:
+        groups = held[hf]
+        rows, columns = weights.tensors.shape(hf)
+        assert groups.scale.shape == (rows, columns // group_size)
+        rebuilt = groups.dequantize()
+        assert torch.equal(rebuilt, weights.tensors[hf]), hf
+        raw = in_file[GGUF_NAMES[hf]].data
+        assert np.array_equal(to_gguf_rows(hf, rebuilt.numpy(), "llama"), dequantize(raw, qtype))
+        if kind == "int8":
+            assert -32 <= int(groups.q.min()) and int(groups.q.max()) <= 31
 
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0], ids=lambda t: t.name)

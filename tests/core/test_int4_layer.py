@@ -22,13 +22,22 @@ pytestmark = pytest.mark.skipif(
 )
 
 
-def _groups(out_features: int, in_features: int, seed: int = 0) -> Int4Groups:
-    """Q4_1-like groups: fp16 scales and minimums, as a GGUF holds them."""
+def _groups(
+    out_features: int, in_features: int, seed: int = 0, k_quant: bool = False
+) -> Int4Groups:
+    """Q4_1-like groups: fp16 scales and minimums, as a GGUF holds them; or Q4_K-like ones
+    (`k_quant`): an fp16 super-block scale times a 6-bit integer per group, exact only in
+    fp32."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(0, 16, (out_features, in_features), generator=gen, dtype=torch.uint8)
     shape = (out_features, in_features // 32)
-    scale = (torch.rand(shape, generator=gen) * 0.02 + 1e-3).half().float()
-    minimum = (-8 * scale + torch.rand(shape, generator=gen) * 1e-3).half().float()
+    if k_quant:
+        d, dmin = ((torch.rand(out_features, 1, generator=gen) * 1e-3).half().float() for _ in "dm")
+        scale = d * torch.randint(1, 64, shape, generator=gen)
+        minimum = -dmin * torch.randint(0, 64, shape, generator=gen)
+    else:
+        scale = (torch.rand(shape, generator=gen) * 0.02 + 1e-3).half().float()
+        minimum = (-8 * scale + torch.rand(shape, generator=gen) * 1e-3).half().float()
     return Int4Groups(q, scale, minimum)
 
 
@@ -43,15 +52,19 @@ def _linear(x: torch.Tensor, groups: Int4Groups) -> torch.Tensor:
     return OPS.int4_linear(x, *pack.parts)
 
 
+@pytest.mark.parametrize("k_quant", [False, True], ids=["fp16-scales", "fp32-scales"])
 @pytest.mark.parametrize(("rows", "out_features", "in_features"), [(1, 960, 576), (3, 48, 64)])
 def test_int4_linear_is_the_exact_weights_product_within_its_inputs_rounding(
-    rows, out_features, in_features
+    rows, out_features, in_features, k_quant
 ):
     """An odd number of 16-row tiles (48 rows) too: the last one alone. The inputs go in as
     16-bit integers per group of 32 (dx = max |x| / 32512), each within dx / 2 of its value,
     so a row's product moves by at most sum over groups of scale * dx / 2 * sum q; then one
-    rounding to bf16 (2^-8 relative at most) and fp32 sums."""
-    groups = _groups(out_features, in_features)
+    rounding to bf16 (2^-8 relative at most) and fp32 sums. Q4_K's scales and minimums stay
+    fp32 in the pack, so its weights are exact too."""
+    groups = _groups(out_features, in_features, k_quant=k_quant)
+    pack = pack_int4(groups)
+    assert pack is not None and pack.scale.dtype == (torch.float32 if k_quant else torch.float16)
     x = _bf16(rows, in_features, seed=1)
     got = _linear(x, groups)
     exact = x.double() @ groups.dequantize().double().T
@@ -72,10 +85,12 @@ def test_int4_products_equal_the_machine_levels_bit_for_bit(at_level):
     with at_level(None):
         native = cpu_ops.build()
     assert native is not None and native.int4_vectorized
-    pack = pack_int4(_groups(960, 576))
-    assert pack is not None
     x = _bf16(3, 576, seed=9)
-    assert torch.equal(OPS.int4_linear(x, *pack.parts), native.int4_linear(x, *pack.parts))
+    for k_quant in (False, True):
+        pack = pack_int4(_groups(960, 576, k_quant=k_quant))
+        assert pack is not None
+        assert torch.equal(OPS.int4_linear(x, *pack.parts), native.int4_linear(x, *pack.parts))
+        assert torch.equal(OPS.int4_dequantize(*pack.parts), native.int4_dequantize(*pack.parts))
     layers = [_layer(576, 1536, 960, True, ops)[0] for ops in (OPS, native)]
     token, attn = _bf16(1, 576, seed=10), _bf16(9, 1, 64, seed=11)
     for ours, theirs in zip(layers[0].qkv(token), layers[1].qkv(token), strict=True):
@@ -85,9 +100,6 @@ def test_int4_products_equal_the_machine_levels_bit_for_bit(at_level):
 
 def test_pack_int4_declines_what_the_layout_cannot_hold():
     assert pack_int4(_groups(40, 64)) is None  # rows not a multiple of 16
-    groups = _groups(32, 64)
-    inexact = Int4Groups(groups.q, groups.scale + 1e-7, groups.minimum)
-    assert pack_int4(inexact) is None  # scales fp16 does not hold
 
 
 def test_the_calls_refuse_mismatched_weights():
@@ -107,9 +119,13 @@ def test_the_calls_refuse_mismatched_weights():
         layer.tail(_bf16(1, 64), _bf16(2, 1, 16))
 
 
-def _layer(hidden: int, intermediate: int, heads_out: int, bias: bool, ops=OPS) -> tuple:
-    qkv, o = _groups(heads_out, hidden, 1), _groups(hidden, hidden, 2)
-    gate_up, down = _groups(2 * intermediate, hidden, 3), _groups(hidden, intermediate, 4)
+def _layer(
+    hidden: int, intermediate: int, heads_out: int, bias: bool, ops=OPS, k_quant: bool = False
+) -> tuple:
+    """A layer's packs; with `k_quant`, o and down hold Q4_K-like fp32 scales (a file mixing
+    Q4_0 and Q4_K projections)."""
+    qkv, o = _groups(heads_out, hidden, 1), _groups(hidden, hidden, 2, k_quant)
+    gate_up, down = _groups(2 * intermediate, hidden, 3), _groups(hidden, intermediate, 4, k_quant)
     attn_norm, mlp_norm = _bf16(hidden, seed=5), _bf16(hidden, seed=6)
     qkv_bias = _bf16(heads_out, seed=7) if bias else None
     packs = [pack_int4(g) for g in (qkv, o, gate_up, down)]
@@ -119,13 +135,15 @@ def _layer(hidden: int, intermediate: int, heads_out: int, bias: bool, ops=OPS) 
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("bias", [False, True])
-def test_the_fused_calls_equal_the_single_ops_one_after_another(threads, bias):
+@pytest.mark.parametrize(("bias", "k_quant"), [(False, False), (True, False), (False, True)])
+def test_the_fused_calls_equal_the_single_ops_one_after_another(threads, bias, k_quant):
     """SmolLM2's shapes (hidden 576, intermediate 1536, q + k + v 960): bit for bit."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        layer, (qkv, o, gate_up, down, attn_norm, mlp_norm, qkv_bias) = _layer(576, 1536, 960, bias)
+        layer, (qkv, o, gate_up, down, attn_norm, mlp_norm, qkv_bias) = _layer(
+            576, 1536, 960, bias, k_quant=k_quant
+        )
         x, attn = _bf16(1, 576, scale=2.0, seed=8), _bf16(1, 576, seed=9)
         want_qkv = _linear(OPS.rms_norm(x, attn_norm, 1e-5), qkv)
         if qkv_bias is not None:
@@ -146,11 +164,13 @@ def test_the_fused_calls_equal_the_single_ops_one_after_another(threads, bias):
 
 
 def test_many_rows_go_through_the_unpacked_bf16_weight_where_bf16_products_are_in_hardware():
-    groups = _groups(96, 128)
-    pack = pack_int4(groups)
+    for k_quant in (False, True):  # one rounding, as torch's, from fp16 or fp32 scales
+        pack = pack_int4(groups := _groups(96, 128, k_quant=k_quant))
+        assert pack is not None
+        assert torch.equal(OPS.int4_dequantize(*pack.parts), groups.dequantize().bfloat16())
+    pack = pack_int4(groups := _groups(96, 128))
     assert pack is not None
     unpacked = OPS.int4_dequantize(*pack.parts)
-    assert torch.equal(unpacked, groups.dequantize().bfloat16())  # one rounding, as torch's
     bias = _bf16(96, seed=2)
     linear = PackedInt4Linear(pack, bias, OPS)
     few, many = _bf16(2, 128, seed=3), _bf16(PackedInt4Linear.UNPACK_ROWS, 128, seed=4)
