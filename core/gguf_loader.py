@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import mmap
 import re
 from collections.abc import Callable
 from functools import partial
@@ -19,6 +20,7 @@ from .terminal_text import terminal_safe
 from .weights import (
     Int4Groups,
     Int8Groups,
+    LazyGroups,
     LazyTensors,
     ModelWeights,
     RowMaker,
@@ -69,57 +71,92 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 def load_gguf(path: Path, on_progress: Callable[[int, int], None] | None = None) -> ModelWeights:
     """Every decoder tensor of a GGUF file: int4 groups (Q4_0, Q4_1, Q4_K) and int8 groups
-    (Q8_0, Q5_0, Q6_K) for the types that keep them, float32 on demand for all (LazyTensors);
-    the config, names, types and shapes are checked before anything is read.
-    `on_progress(done, total)` follows the tensors as they are read."""
+    (Q8_0, Q5_0, Q6_K) for the types that keep them, float32 for all, each made from the file
+    when read and not kept (LazyGroups, LazyTensors); the config, names, types and shapes are
+    checked before anything is read. `on_progress(done, total)` follows the tensors as they
+    are read."""
     reader = _open(path)
     metadata = _metadata(reader, path)
+    # The parsed fields hold a numpy array per vocabulary token (~0.25 GiB for Qwen2's 152K);
+    # the metadata has their values.
+    reader.fields.clear()
     by_name = {t.name: t for t in reader.tensors}
     config = config_from_gguf(metadata, by_name, path)
     planned = _plan(by_name, config, path)
     permute = config.architecture in PERMUTED_ARCHITECTURES
     makers: dict[str, tuple[RowMaker, tuple[int, ...]]] = {}
-    int4: dict[str, Int4Groups] = {}
-    int8: dict[str, Int8Groups] = {}
+    tensors = LazyTensors(makers, on_progress)  # filled below
+    int4: dict[str, Callable[[], Int4Groups]] = {}
+    int8: dict[str, Callable[[], Int8Groups]] = {}
     # All array work is numpy: torch's two-thread kernels stall when other processes share the
     # cores (a 1536x576 int4 dequantization takes 37 ms instead of 0.3 ms on a loaded machine).
     for hf_name, (tensor, shape) in planned.items():
-        heads = _permuted_heads(hf_name, config) if permute else None
+        part = _Part(reader, tensor, _permuted_heads(hf_name, config) if permute else None)
         if tensor.tensor_type in INT4_TYPES and len(shape) == 2:
-            q, scale, minimum = (_unpermute(a, heads) for a in _int4_groups(tensor))
-            int4[hf_name] = Int4Groups(*map(torch.from_numpy, (q, scale, minimum)))
-            rows = partial(_int4_rows, q, scale, minimum)
+            int4[hf_name] = part.int4_groups
+            rows: Callable[[int, int], np.ndarray] = part.int4_rows
         elif tensor.tensor_type in INT8_TYPES and len(shape) == 2:
-            q8, scale = (_unpermute(a, heads) for a in _int8_groups(tensor))
-            int8[hf_name] = Int8Groups(*map(torch.from_numpy, (q8, scale)))
-            rows = partial(_int8_rows, q8, scale)
-        elif heads is not None:  # the interleave mixes rows: the whole tensor, then the rows
-            rows = partial(_unpermuted_rows, tensor, heads)
+            int8[hf_name] = part.int8_groups
+            rows = part.int8_rows
         else:
-            rows = partial(_dequantized_rows, tensor)
+            rows = part.dequantized_rows
         makers[hf_name] = (partial(_float32, rows, shape), shape)
-    return ModelWeights(config, LazyTensors(makers, on_progress), int4, path, metadata, int8)
+    return ModelWeights(
+        config,
+        tensors,
+        LazyGroups(int4, tensors.report),
+        path,
+        metadata,
+        LazyGroups(int8, tensors.report),
+    )
 
 
-def _int4_rows(
-    q: np.ndarray, scale: np.ndarray, minimum: np.ndarray, start: int, stop: int
-) -> np.ndarray:
-    # Bit-identical to gguf.quants.dequantize: the same float32 multiply, then add.
-    s = slice(start, stop)
-    return q[s].reshape(*scale[s].shape, -1) * scale[s, :, None] + minimum[s, :, None]
+class _Part:
+    """One tensor of the file, read a block of rows at a time (all of them where llama.cpp's
+    Q/K interleave mixes rows: `heads`), its pages released from the process once read."""
 
+    def __init__(self, reader: _Reader, tensor: ReaderTensor, heads: int | None) -> None:
+        self.reader, self.tensor, self.heads = reader, tensor, heads
+        self.rows = tensor.data.shape[0]
 
-def _int8_rows(q8: np.ndarray, scale: np.ndarray, start: int, stop: int) -> np.ndarray:
-    s = slice(start, stop)
-    return q8[s].reshape(*scale[s].shape, -1) * scale[s, :, None]  # as gguf's dequantize
+    def _read(self, start: int, stop: int, convert: Callable[[np.ndarray], tuple]) -> tuple:
+        data = self.tensor.data
+        if self.heads is not None:  # the interleave mixes rows: the whole tensor, then the rows
+            whole = tuple(_unpermute(a, self.heads) for a in convert(data))
+            self.reader.release(self.tensor, 0, self.rows)
+            return tuple(a[start:stop] for a in whole)
+        converted = convert(data[start:stop])
+        self.reader.release(self.tensor, start, stop)
+        return converted
 
+    def int4_groups(self) -> Int4Groups:
+        return Int4Groups(*map(torch.from_numpy, self.int4_arrays(0, self.rows)))
 
-def _dequantized_rows(tensor: ReaderTensor, start: int, stop: int) -> np.ndarray:
-    return dequantize(tensor.data[start:stop], tensor.tensor_type)
+    def int8_groups(self) -> Int8Groups:
+        return Int8Groups(*map(torch.from_numpy, self.int8_arrays(0, self.rows)))
 
+    def int4_arrays(self, start: int, stop: int) -> tuple[np.ndarray, ...]:
+        return self._read(start, stop, partial(_int4_groups, self.tensor.tensor_type))
 
-def _unpermuted_rows(tensor: ReaderTensor, heads: int, start: int, stop: int) -> np.ndarray:
-    return _unpermute(dequantize(tensor.data, tensor.tensor_type), heads)[start:stop]
+    def int8_arrays(self, start: int, stop: int) -> tuple[np.ndarray, ...]:
+        return self._read(start, stop, partial(_int8_groups, self.tensor.tensor_type))
+
+    def int4_rows(self, start: int, stop: int) -> np.ndarray:
+        # Bit-identical to gguf.quants.dequantize: the same float32 multiply, then add.
+        q, scale, minimum = self.int4_arrays(start, stop)
+        return q.reshape(*scale.shape, -1) * scale[..., None] + minimum[..., None]
+
+    def int8_rows(self, start: int, stop: int) -> np.ndarray:
+        q8, scale = self.int8_arrays(start, stop)
+        return q8.reshape(*scale.shape, -1) * scale[..., None]  # as gguf's dequantize
+
+    def dequantized_rows(self, start: int, stop: int) -> np.ndarray:
+        return self._read(start, stop, self._dequantized)[0]
+
+    def _dequantized(self, data: np.ndarray) -> tuple[np.ndarray]:
+        # A copy of its own: gguf gives F32 rows as a view of the pages released next.
+        values = dequantize(data, self.tensor.tensor_type)
+        return (np.require(values, np.float32, ["C", "W", "O"]),)
 
 
 def _float32(
@@ -131,7 +168,8 @@ def _float32(
 
 
 class _Reader(GGUFReader):
-    """GGUFReader that parses from a plain ndarray view of its memory map.
+    """GGUFReader that parses from a plain ndarray view of its memory map, and releases the
+    pages of the tensors read.
 
     The reader slices its np.memmap a few times per metadata value (~250K slices for a 49K-token
     vocabulary), and numpy's memmap subclass makes each slice ~3x slower (SmolLM2's metadata: 0.6 s
@@ -139,13 +177,29 @@ class _Reader(GGUFReader):
     loses the speed-up.
     """
 
+    _map: mmap.mmap | None = None
+
     def _get(self, *args, **kwargs):
         if type(self.data) is np.memmap:
+            self._map = getattr(self.data, "_mmap", None)
             self.data = self.data.view(np.ndarray)
         return super()._get(*args, **kwargs)
 
+    def release(self, tensor: ReaderTensor, start: int, stop: int) -> None:
+        """Drop rows [start, stop) of `tensor` from the process's pages (the page cache keeps
+        them; a later read maps them again): a load holds the pages of the rows it converts,
+        not of the whole file (a 7B Q4_K_M file is 4.4 GiB)."""
+        if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
+            return
+        row_bytes = tensor.n_bytes // tensor.data.shape[0]
+        first = tensor.data_offset + start * row_bytes
+        first -= first % mmap.PAGESIZE
+        end = min(tensor.data_offset + stop * row_bytes, len(self._map))
+        if end > first:
+            self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
 
-def _open(path: Path) -> GGUFReader:
+
+def _open(path: Path) -> _Reader:
     read_gguf_header(path)  # a hostile header is refused before gguf-py trusts its counts
     try:
         reader = _Reader(path)
@@ -330,15 +384,15 @@ def _plan(
     return planned
 
 
-def _int4_groups(tensor: ReaderTensor) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(q, scale, minimum) of a Q4_0 / Q4_1 / Q4_K tensor such that q * scale + minimum is
-    exact."""
-    rows = tensor.data.shape[0]
-    blocks = tensor.data.reshape(rows, -1, GGML_QUANT_SIZES[tensor.tensor_type][1])
-    if tensor.tensor_type == T.Q4_K:
+def _int4_groups(qtype: T, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(q, scale, minimum) of rows of a Q4_0 / Q4_1 / Q4_K tensor's data such that
+    q * scale + minimum is exact."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
+    if qtype == T.Q4_K:
         return _q4_k_groups(blocks)
     scale = _half(blocks[..., 0:2])
-    if tensor.tensor_type == T.Q4_1:
+    if qtype == T.Q4_1:
         minimum, packed = _half(blocks[..., 2:4]), blocks[..., 4:]
     else:  # Q4_0 stores d * (q - 8); -8 * d is exact in float32, so q * d - 8 * d is too
         minimum, packed = scale * np.float32(-8.0), blocks[..., 2:]
@@ -361,14 +415,14 @@ def _q4_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     return q.reshape(rows, -1), scale.reshape(rows, -1), minimum.reshape(rows, -1)
 
 
-def _int8_groups(tensor: ReaderTensor) -> tuple[np.ndarray, np.ndarray]:
-    """(q, scale) of a Q8_0, Q5_0 or Q6_K tensor, int8 values q such that q * scale is exact
-    (a scale per 32 values, per 16 for Q6_K)."""
-    rows = tensor.data.shape[0]
-    blocks = tensor.data.reshape(rows, -1, GGML_QUANT_SIZES[tensor.tensor_type][1])
-    if tensor.tensor_type == T.Q6_K:
+def _int8_groups(qtype: T, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(q, scale) of rows of a Q8_0, Q5_0 or Q6_K tensor's data, int8 values q such that
+    q * scale is exact (a scale per 32 values, per 16 for Q6_K)."""
+    rows = data.shape[0]
+    blocks = data.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
+    if qtype == T.Q6_K:
         return _q6_k_groups(blocks)
-    if tensor.tensor_type == T.Q8_0:  # an fp16 scale, then 32 int8 values
+    if qtype == T.Q8_0:  # an fp16 scale, then 32 int8 values
         q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
     else:  # Q5_0: an fp16 scale, 32 high bits, 16 bytes of low nibbles; values 0..31 less 16
         high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # bit i: element i

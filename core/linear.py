@@ -15,6 +15,7 @@ in the order of the fp32 sums).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Protocol
 
@@ -156,18 +157,28 @@ def pack_int8(groups: Int8Groups) -> tuple[torch.Tensor, torch.Tensor]:
     16 K], scale fp32 [N' / 16, K / G, 16] for a scale per G inputs, 32 or 16), N' = N rounded
     up to 16 with zero rows. Tile t's group g is 8 chunks of 64 bytes; byte 4 r + j of chunk c
     holds row 16 t + r's value for input 32 g + 4 c + j plus 128 (an unsigned byte, as vpdpbusd
-    multiplies): a chunk is 16 rows' 4 adjacent inputs, one row to a 32-bit lane."""
+    multiplies): a chunk is 16 rows' 4 adjacent inputs, one row to a 32-bit lane. Packed
+    _PACK_TILES tiles at a time, so that packing a vocabulary-sized output layer holds its
+    groups and the result, not two more copies."""
     q, scale = groups.q, groups.scale
-    pad = -q.shape[0] % 16
-    if pad:
-        q, scale = F.pad(q, (0, 0, 0, pad)), F.pad(scale, (0, 0, 0, pad))
     n, k = q.shape
-    tiles, n_groups = n // 16, k // GROUP_SIZE
-    shifted = q.view(torch.uint8) ^ 0x80  # the int8 value plus 128
-    # [tile, row, group, chunk, j] -> [tile, group, chunk, row, j]
-    packed = shifted.view(tiles, 16, n_groups, 8, 4).permute(0, 2, 3, 1, 4)
+    tiles, n_groups = -(-n // 16), k // GROUP_SIZE
+    packed = torch.empty(tiles, n_groups * 512, dtype=torch.uint8)
+    for t0 in range(0, tiles, _PACK_TILES):
+        rows = q[16 * t0 : 16 * (t0 + _PACK_TILES)]
+        count = -(-rows.shape[0] // 16)
+        rows = F.pad(rows, (0, 0, 0, 16 * count - rows.shape[0]))
+        shifted = rows.view(torch.uint8) ^ 0x80  # the int8 value plus 128
+        # [tile, row, group, chunk, j] -> [tile, group, chunk, row, j]
+        block = shifted.view(count, 16, n_groups, 8, 4).permute(0, 2, 3, 1, 4)
+        packed[t0 : t0 + count] = block.reshape(count, n_groups * 512)
+    scale = F.pad(scale, (0, 0, 0, 16 * tiles - n))
     per_tile = scale.view(tiles, 16, scale.shape[1]).transpose(1, 2)
-    return packed.reshape(tiles, n_groups * 512).contiguous(), per_tile.contiguous()
+    return packed, per_tile.contiguous()
+
+
+# Tiles of 16 rows packed at a time: 4096 rows (3.5 MiB of a 896-wide weight).
+_PACK_TILES = 256
 
 
 class Int8Linear:
@@ -222,34 +233,34 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
 
 
 def make_linear(
-    mats: list[torch.Tensor],
-    int4: list[Int4Groups | None],
-    int8: list[Int8Groups | None],
+    dense: Callable[[], list[torch.Tensor]],
+    in_features: int,
+    int4: Callable[[], list[Int4Groups]] | None,
+    int8: Callable[[], list[Int8Groups]] | None,
     bias: torch.Tensor | None,
     weight_format: str,
     dtype: torch.dtype,
     device: torch.device,
     ops: ModuleType | None = None,
 ) -> Linear:
-    """One linear layer from the row blocks `mats` (fused along the output dim), kept in the
-    file's int4 or int8 groups where every block has them. `ops`: core/cpu_ops.py's module,
-    whose int4 products replace torch's where they run vectorized, and whose int8 products
-    run the int8 groups (without it they run dense)."""
+    """One linear layer from row blocks fused along the output dim, kept in the file's int4 or
+    int8 groups where every block has them (`int4`, `int8`: the blocks' groups, None where
+    some block has none), else a matrix of the blocks `dense` gives. Only what is kept is read.
+    `ops`: core/cpu_ops.py's module, whose int4 products replace torch's where they run
+    vectorized, and whose int8 products run the int8 groups (without it they run dense)."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight format {weight_format!r}; choose one of {WEIGHT_FORMATS}")
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
     # The file's groups run as they are on the CPU, along whole groups of inputs.
-    grouped = (
-        weight_format == "int4" and device.type == "cpu" and mats[0].shape[1] % GROUP_SIZE == 0
-    )
-    if grouped and all(g is not None for g in int4):
-        groups = Int4Groups.cat(int4)  # type: ignore[arg-type]
+    grouped = weight_format == "int4" and device.type == "cpu" and in_features % GROUP_SIZE == 0
+    if grouped and int4 is not None:
+        groups = Int4Groups.cat(int4())
         own = ops is not None and ops.int4_vectorized and dtype == torch.bfloat16
         pack = pack_int4(groups) if own else None
         if pack is not None:
             return PackedInt4Linear(pack, bias, ops)  # type: ignore[arg-type]
         return Int4Linear(groups, bias, dtype)
-    if grouped and ops is not None and dtype == torch.bfloat16 and all(g is not None for g in int8):
-        return Int8Linear(Int8Groups.cat(int8), bias, ops, dtype)  # type: ignore[arg-type]
-    weight = torch.cat(mats).to(device=device, dtype=dtype).contiguous()
+    if grouped and ops is not None and dtype == torch.bfloat16 and int8 is not None:
+        return Int8Linear(Int8Groups.cat(int8()), bias, ops, dtype)
+    weight = torch.cat(dense()).to(device=device, dtype=dtype).contiguous()
     return DenseLinear(weight, bias)

@@ -7,6 +7,7 @@ large) and only the rows of the current chunk move to the compute device.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -20,7 +21,7 @@ from . import cpu_ops
 from .int4_layer import Int4DecodeLayer
 from .linear import DenseLinear, Int8Linear, Linear, PackedInt4Linear, make_linear
 from .rope import Rope
-from .weights import ModelWeights, WeightsError
+from .weights import Groups, ModelWeights, WeightsError
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,27 +66,36 @@ class Transformer:
         self._rms_norm = rms_norm if ops is None else ops.rms_norm
         self._silu_mul = silu_mul if ops is None else ops.silu_mul
 
-        def tensor(
-            name: str, shape: tuple[int, ...], as_dtype: torch.dtype = torch.float32
-        ) -> torch.Tensor:
-            """Weight `name` in `as_dtype`, made from the file as it is read (LazyTensors)."""
+        def check(name: str, shape: tuple[int, ...]) -> None:
             if name not in t:
                 raise WeightsError(f"{weights.source}: tensor {name!r} is missing")
             if t.shape(name) != shape:
                 raise WeightsError(
                     f"{weights.source}: tensor {name!r} has shape {t.shape(name)}, expected {shape}"
                 )
+
+        def tensor(
+            name: str, shape: tuple[int, ...], as_dtype: torch.dtype = torch.float32
+        ) -> torch.Tensor:
+            """Weight `name` in `as_dtype`, made from the file as it is read (LazyTensors)."""
+            check(name, shape)
             return t.converted(name, as_dtype)
 
         def vec(name: str, size: int) -> torch.Tensor:
             return tensor(name, (size,)).to(device=self.device, dtype=dtype)
 
+        def groups(
+            held: Mapping[str, Groups], names: list[str]
+        ) -> Callable[[], list[Groups]] | None:
+            """The parts' integer groups, read when called; None unless every part has them."""
+            if not all(name in held for name in names):
+                return None
+            return lambda: [held[name] for name in names]
+
         def linear(names: list[str], out_sizes: list[int], in_size: int, bias: bool) -> Linear:
-            mats = [
-                tensor(f"{n}.weight", (o, in_size)) for n, o in zip(names, out_sizes, strict=True)
-            ]
-            int4 = [weights.int4.get(f"{n}.weight") for n in names]
-            int8 = [weights.int8.get(f"{n}.weight") for n in names]
+            shapes = {f"{n}.weight": (o, in_size) for n, o in zip(names, out_sizes, strict=True)}
+            for name, shape in shapes.items():
+                check(name, shape)
             biases = (
                 torch.cat(
                     [tensor(f"{n}.bias", (o,)) for n, o in zip(names, out_sizes, strict=True)]
@@ -93,9 +103,43 @@ class Transformer:
                 if bias
                 else None
             )
-            return make_linear(mats, int4, int8, biases, weight_format, dtype, self.device, ops)
+            return make_linear(
+                lambda: [tensor(name, shape, dtype) for name, shape in shapes.items()],
+                in_size,
+                groups(weights.int4, list(shapes)),
+                groups(weights.int8, list(shapes)),
+                biases,
+                weight_format,
+                dtype,
+                self.device,
+                ops,
+            )
 
+        # The vocabulary-sized tensors first: the transient copies their conversion holds then
+        # come before the layers are held, not on top of them (Qwen2.5-0.5B's Q8_0 output
+        # layer: 0.15 GiB of groups beside its packed copy).
         h, d = cfg.hidden_size, cfg.head_dim
+        self.embed = tensor("model.embed_tokens.weight", (cfg.vocab_size, h), dtype)
+        self.norm = vec("model.norm.weight", h)
+        self.lm_head: Linear
+        # A tied head on the CPU shares the embedding table instead of holding a second copy
+        # (in bf16 it also holds a second copy for its products, counted in nbytes, unless it
+        # reads the file's int8 table, then taking the embedding for products of many rows).
+        head_is_embed = cfg.tie_word_embeddings and self.device.type == "cpu"
+        head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
+        q8 = weight_format == "int4" and ops is not None and f"{head}.weight" in weights.int8
+        self._head_holds_embed = False  # counted in lm_head.nbytes, held once
+        if q8:
+            table = self.embed if head_is_embed else None
+            # The groups are not kept in a local: they would be held through the layers.
+            self.lm_head = Int8Linear(
+                weights.int8[f"{head}.weight"], None, ops, torch.float32, table
+            )
+        elif head_is_embed:
+            self.lm_head = DenseLinear(self.embed, None)
+            self._head_holds_embed = True
+        else:
+            self.lm_head = linear([head], [cfg.vocab_size], h, False)
         q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
         self.layers: list[Layer] = []
         for i in range(cfg.num_layers):
@@ -115,24 +159,6 @@ class Transformer:
         # One-token passes in two C++ calls a layer (core/int4_layer.py) where every
         # projection runs on int4_layer.cpp's packed weights.
         self._decode_layers = self._int4_decode_layers(ops)
-        self.embed = tensor("model.embed_tokens.weight", (cfg.vocab_size, h), dtype)
-        self.norm = vec("model.norm.weight", h)
-        self.lm_head: Linear
-        # A tied head on the CPU shares the embedding table instead of holding a second copy
-        # (in bf16 it also holds a second copy for its products, counted in nbytes, unless it
-        # reads the file's int8 table, then taking the embedding for products of many rows).
-        head_is_embed = cfg.tie_word_embeddings and self.device.type == "cpu"
-        head = "model.embed_tokens" if cfg.tie_word_embeddings else "lm_head"
-        q8 = weights.int8.get(f"{head}.weight") if weight_format == "int4" else None
-        self._head_holds_embed = False  # counted in lm_head.nbytes, held once
-        if q8 is not None and ops is not None:
-            table = self.embed if head_is_embed else None
-            self.lm_head = Int8Linear(q8, None, ops, torch.float32, table)
-        elif head_is_embed:
-            self.lm_head = DenseLinear(self.embed, None)
-            self._head_holds_embed = True
-        else:
-            self.lm_head = linear([head], [cfg.vocab_size], h, False)
         self.rope = Rope(cfg, self.device)
 
     def _int4_decode_layers(self, ops: ModuleType | None) -> list[Int4DecodeLayer] | None:

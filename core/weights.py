@@ -13,6 +13,7 @@ import tempfile
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -50,6 +51,8 @@ class Int4Groups:
     @staticmethod
     def cat(groups: list[Int4Groups]) -> Int4Groups:
         """Weights stacked along the output dimension (a fused projection)."""
+        if len(groups) == 1:
+            return groups[0]
         return Int4Groups(
             q=torch.cat([g.q for g in groups]),
             scale=torch.cat([g.scale for g in groups]),
@@ -85,6 +88,8 @@ class Int8Groups:
     def cat(groups: list[Int8Groups]) -> Int8Groups:
         """Weights stacked along the output dimension (a fused projection), on the finest
         group size among them."""
+        if len(groups) == 1:
+            return groups[0]
         size = min(g.group_size for g in groups)
         groups = [g.regrouped(size) for g in groups]
         return Int8Groups(
@@ -98,7 +103,25 @@ RowMaker = Callable[[int, int], torch.Tensor]
 _CONVERT_ROWS = 1024
 
 
-class LazyTensors(Mapping[str, torch.Tensor]):
+Value = TypeVar("Value")
+
+
+class _Made(Mapping[str, Value]):
+    """A mapping whose values are made on each read from `_makers` (name -> how to make it)."""
+
+    _makers: Mapping[str, object]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._makers  # Mapping's own would make the value to find out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._makers)
+
+    def __len__(self) -> int:
+        return len(self._makers)
+
+
+class LazyTensors(_Made[torch.Tensor]):
     """Hugging Face name -> float32 tensor, made from the file each time it is read and not
     kept. The decoder is built from the tensors one at a time, each converted to the format it
     runs in (`converted`: a block of rows at a time), so a load holds a block of float32 rows
@@ -127,7 +150,7 @@ class LazyTensors(Mapping[str, torch.Tensor]):
         """`self[name]` in `dtype`; a block of rows at a time (and no float32 copy of the
         whole) when `dtype` is not float32."""
         make, shape = self._makers[name]
-        self._report(name)
+        self.report(name)
         if dtype == torch.float32 or not shape:
             return make(0, shape[0] if shape else 0).to(dtype)
         out = torch.empty(shape, dtype=dtype)
@@ -138,23 +161,37 @@ class LazyTensors(Mapping[str, torch.Tensor]):
 
     def __getitem__(self, name: str) -> torch.Tensor:
         make, shape = self._makers[name]
-        self._report(name)
+        self.report(name)
         return make(0, shape[0] if shape else 0)
 
-    def _report(self, name: str) -> None:
+    def report(self, name: str) -> None:
+        """Count tensor `name` as read (its first read calls `on_progress`): LazyGroups report
+        the tensors whose groups they read here too."""
         if name not in self._read:
             self._read.add(name)
             if self._on_progress is not None:
                 self._on_progress(len(self._read), len(self._makers))
 
-    def __contains__(self, name: object) -> bool:
-        return name in self._makers  # Mapping's own would make the tensor to find out
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._makers)
+Groups = TypeVar("Groups", Int4Groups, Int8Groups)
 
-    def __len__(self) -> int:
-        return len(self._makers)
+
+class LazyGroups(_Made[Groups]):
+    """Hugging Face name -> a weight's integer groups, made from the file each time they are
+    read and not kept: a load holds the groups of the projection being built, not the model's."""
+
+    def __init__(
+        self,
+        makers: dict[str, Callable[[], Groups]],
+        on_read: Callable[[str], None] | None = None,
+    ) -> None:
+        self._makers, self._on_read = makers, on_read
+
+    def __getitem__(self, name: str) -> Groups:
+        groups = self._makers[name]()
+        if self._on_read is not None:
+            self._on_read(name)
+        return groups
 
 
 def _rows_of(tensor: torch.Tensor) -> RowMaker:
@@ -165,11 +202,11 @@ def _rows_of(tensor: torch.Tensor) -> RowMaker:
 class ModelWeights:
     config: ModelConfig
     tensors: LazyTensors  # Hugging Face names, float32 (a plain mapping is wrapped)
-    int4: dict[str, Int4Groups]  # the subset of `tensors` stored as Q4_0 / Q4_1 / Q4_K
+    int4: Mapping[str, Int4Groups]  # the subset of `tensors` stored as Q4_0 / Q4_1 / Q4_K
     source: Path  # the resolved file or folder
     metadata: dict[str, object]  # GGUF key/values or the HF config.json dict
     # the subset stored as Q8_0, Q5_0 or Q6_K
-    int8: dict[str, Int8Groups] = field(default_factory=dict)
+    int8: Mapping[str, Int8Groups] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.tensors = LazyTensors.of(self.tensors)

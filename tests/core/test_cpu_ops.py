@@ -119,6 +119,14 @@ def test_int8_dequantize_is_the_weight_rounded_to_bf16(group_size):
         OPS.int8_dequantize(torch.zeros(1, 16 * 64, dtype=torch.uint8), torch.ones(1, 8, 16))
 
 
+def test_a_weight_of_many_tiles_packs_in_blocks_and_unpacks_to_its_values():
+    """Past _PACK_TILES tiles (a vocabulary-sized output layer), rows not a multiple of 16."""
+    groups = _groups(4100, 64, 16)
+    got = OPS.int8_dequantize(*pack_int8(groups))
+    assert got.shape == (4112, 64)
+    assert torch.equal(got[:4100], groups.dequantize().bfloat16()) and not got[4100:].any()
+
+
 def test_projections_of_mixed_group_sizes_fuse_on_the_finer():
     """A fused projection of Q8_0 and Q6_K parts (a Q4_K_M file's q, k and v) keeps each
     part's exact weights, on a scale per 16."""

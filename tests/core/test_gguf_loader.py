@@ -219,6 +219,24 @@ def test_int4_groups_reproduce_the_gguf_dequantization_exactly(tmp_path, qtype):
         assert np.array_equal(to_gguf_rows(name, rebuilt.numpy(), "llama"), dequantize(raw, qtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_building_the_model_reports_every_tensor_once(tmp_path, dtype):
+    """Progress counts the tensors read as groups (bf16: the int4 and int8 layers) as well as
+    those read as floats, each once, up to the total."""
+    from kvchat.core.model import Transformer
+
+    hf = random_model(tied=False)
+    tensors = {}
+    for name, w in hf.items():
+        qtype = (T.Q8_0 if name == "lm_head.weight" else T.Q4_0) if w.ndim == 2 else T.F32
+        tensors[GGUF_NAMES[name]] = (quantize(w, qtype), qtype)
+    path = write_gguf(tmp_path / "m.gguf", "llama", tensors, base_metadata("llama"))
+    progress: list[tuple[int, int]] = []
+    weights = load_gguf(path, lambda done, total: progress.append((done, total)))
+    Transformer(weights, dtype=dtype, weight_format="int4" if dtype == torch.bfloat16 else "dense")
+    assert progress == [(i, len(hf)) for i in range(1, len(hf) + 1)]
+
+
 # --- K-quants: raw blocks against a dequantizer written from ggml-quants.c ------------------
 
 
