@@ -44,9 +44,9 @@ from .memory import (
     process_rss,
     release_freed_memory,
 )
-from .model import Transformer
+from .model import Transformer, decoder_ops
 from .model_config import ModelConfig
-from .plan import MemoryPlan, PlanRefusedError, plan_memory
+from .plan import MemoryPlan, PlanRefusedError, check_model_fits, plan_memory
 from .sampling import sample_next
 from .snapshot import (
     PrefillReport,
@@ -61,6 +61,7 @@ from .snapshot import (
 from .sources import read_sources
 from .tokenizer import Tokenizer, TooManyTokensError, load_tokenizer
 from .turns import ProgressFn, ReplyEnd, Turns
+from .weight_plan import planned_weights
 from .weights import load_weights, resolve_model_path
 
 EFFECTS = ("live", "cache", "reload")
@@ -541,9 +542,16 @@ class Engine:
         # The first process on a machine compiles the CPU kernels (~30-80 s): let loading pay
         # it, not the first question.
         cpu_kernels(device)
-        weights = load_weights(source, on_progress)
+        weights = load_weights(source, on_progress)  # the header: no tensor is read yet
         # Packed int4 keeps the file's exact 4-bit weights; its kernel wants bf16 activations.
         weight_format = "int4" if dtype == torch.bfloat16 and device.type == "cpu" else "dense"
+        if device.type == "cpu":
+            held = planned_weights(
+                weights, weight_format, dtype, device, decoder_ops(device, dtype)
+            )
+            check_model_fits(
+                weights.config, settings.long_context, dtype.itemsize, held, process_rss()
+            )
         model = Transformer(weights, dtype=dtype, device=device, weight_format=weight_format)
         del weights  # the loader's fp32 copies; the model holds its own format
         gc.collect()

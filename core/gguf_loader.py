@@ -108,7 +108,20 @@ def load_gguf(path: Path, on_progress: Callable[[int, int], None] | None = None)
         path,
         metadata,
         LazyGroups(int8, tensors.report),
+        {hf_name: tensor.tensor_type.name for hf_name, (tensor, _) in planned.items()},
     )
+
+
+def int4_scale_itemsize(type_names: list[str]) -> int:
+    """Bytes of each scale and minimum of a projection whose int4 parts have these types:
+    fp16 holds Q4_0's and Q4_1's exactly, Q4_K's need fp32 (pack_int4)."""
+    return 4 if T.Q4_K.name in type_names else 2
+
+
+def int8_group_size(type_names: list[str]) -> int:
+    """Inputs per scale of a projection whose int8 parts have these types (Int8Groups.cat
+    takes the finest)."""
+    return 16 if T.Q6_K.name in type_names else 32
 
 
 class _Part:

@@ -15,6 +15,7 @@ in the order of the fp32 sums).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from types import ModuleType
 from typing import Protocol
@@ -232,8 +233,106 @@ def _nbytes(*tensors: torch.Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
+class ConcatLinear:
+    """A fused projection whose parts hold different groups (a Q4_K_M file's Q4_K q and k
+    beside a Q6_K v): each run of parts alike is a layer of its own (part_runs), their
+    outputs side by side, so that each keeps the file's integers instead of the whole
+    projection running dense."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+        self.format = "+".join(p.format for p in parts)
+        self.nbytes = sum(p.nbytes for p in parts)
+        self.read_bytes = sum(p.read_bytes for p in parts)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def part_runs(kinds: list[LinearKind]) -> list[slice]:
+    """The runs of consecutive parts of a fused projection whose layers would be of one kind
+    (`kinds`: linear_kind of each part alone): one layer each."""
+    runs: list[slice] = []
+    start = 0
+    for i in range(1, len(kinds) + 1):
+        if i == len(kinds) or kinds[i] != kinds[start]:
+            runs.append(slice(start, i))
+            start = i
+    return runs
+
+
+class LinearKind(enum.Enum):
+    """What make_linear builds a projection as."""
+
+    PACKED_INT4 = "packed int4"  # PackedInt4Linear
+    TORCH_INT4 = "torch int4"  # Int4Linear
+    INT8 = "int8"  # Int8Linear
+    DENSE = "dense"  # DenseLinear
+
+    @property
+    def format(self) -> str | None:
+        """Linear.format of its layers; None for DENSE (the compute dtype)."""
+        return {"packed int4": "int4", "torch int4": "int4", "int8": "int8"}.get(self.value)
+
+
+def linear_kind(
+    out_features: int,
+    in_features: int,
+    int4: bool,
+    int8: bool,
+    weight_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    ops: ModuleType | None,
+) -> LinearKind:
+    """The kind of layer for a projection whose every part has int4 groups (`int4`) or int8
+    groups (`int8`): the file's groups run as they are on the CPU, along whole groups of
+    inputs; int8 needs the C++ products and bf16 activations."""
+    if weight_format not in WEIGHT_FORMATS:
+        raise ValueError(f"weight format {weight_format!r}; choose one of {WEIGHT_FORMATS}")
+    grouped = weight_format == "int4" and device.type == "cpu" and in_features % GROUP_SIZE == 0
+    if grouped and int4:
+        own = ops is not None and ops.int4_vectorized and dtype == torch.bfloat16
+        return LinearKind.PACKED_INT4 if own and out_features % 16 == 0 else LinearKind.TORCH_INT4
+    if grouped and int8 and ops is not None and dtype == torch.bfloat16:
+        return LinearKind.INT8
+    return LinearKind.DENSE
+
+
+def planned_bytes(
+    kind: LinearKind,
+    out_features: int,
+    in_features: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    bias: bool,
+    group_size: int = GROUP_SIZE,
+    scale_itemsize: int = 2,
+) -> int:
+    """The bytes a layer of `kind` holds (its `nbytes`), from the shapes alone: `group_size`
+    inputs per int8 scale, `scale_itemsize` of an int4 scale (2: fp16, 4: fp32)."""
+    n, k, item = out_features, in_features, dtype.itemsize
+    held = n * item if bias else 0
+    groups = n * (k // GROUP_SIZE)
+    if kind is LinearKind.PACKED_INT4:
+        return held + n * k // 2 + 2 * groups * scale_itemsize
+    if kind is LinearKind.TORCH_INT4:
+        return held + n * k // 2 + 2 * groups * item
+    if kind is LinearKind.INT8:
+        padded = n + -n % 16
+        return held + padded * k + padded * (k // group_size) * 4
+    if widened_products(device, dtype):
+        copy = 4
+    else:
+        prepacked = device.type == "cpu" and dtype == torch.bfloat16
+        copy = item if prepacked and torch.backends.mkldnn.is_available() else 0
+    return held + n * k * (item + copy)
+
+
 def make_linear(
     dense: Callable[[], list[torch.Tensor]],
+    out_features: int,
     in_features: int,
     int4: Callable[[], list[Int4Groups]] | None,
     int8: Callable[[], list[Int8Groups]] | None,
@@ -245,22 +344,27 @@ def make_linear(
 ) -> Linear:
     """One linear layer from row blocks fused along the output dim, kept in the file's int4 or
     int8 groups where every block has them (`int4`, `int8`: the blocks' groups, None where
-    some block has none), else a matrix of the blocks `dense` gives. Only what is kept is read.
-    `ops`: core/cpu_ops.py's module, whose int4 products replace torch's where they run
-    vectorized, and whose int8 products run the int8 groups (without it they run dense)."""
-    if weight_format not in WEIGHT_FORMATS:
-        raise ValueError(f"weight format {weight_format!r}; choose one of {WEIGHT_FORMATS}")
+    some block has none; linear_kind), else a matrix of the blocks `dense` gives. Only what
+    is kept is read. `ops`: core/cpu_ops.py's module, whose int4 products replace torch's
+    where they run vectorized, and whose int8 products run the int8 groups."""
+    kind = linear_kind(
+        out_features,
+        in_features,
+        int4 is not None,
+        int8 is not None,
+        weight_format,
+        dtype,
+        device,
+        ops,
+    )
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
-    # The file's groups run as they are on the CPU, along whole groups of inputs.
-    grouped = weight_format == "int4" and device.type == "cpu" and in_features % GROUP_SIZE == 0
-    if grouped and int4 is not None:
-        groups = Int4Groups.cat(int4())
-        own = ops is not None and ops.int4_vectorized and dtype == torch.bfloat16
-        pack = pack_int4(groups) if own else None
-        if pack is not None:
-            return PackedInt4Linear(pack, bias, ops)  # type: ignore[arg-type]
-        return Int4Linear(groups, bias, dtype)
-    if grouped and ops is not None and dtype == torch.bfloat16 and int8 is not None:
-        return Int8Linear(Int8Groups.cat(int8()), bias, ops, dtype)
+    if kind is LinearKind.PACKED_INT4:
+        pack = pack_int4(Int4Groups.cat(int4()))  # type: ignore[misc]
+        assert pack is not None  # linear_kind checked the rows
+        return PackedInt4Linear(pack, bias, ops)  # type: ignore[arg-type]
+    if kind is LinearKind.TORCH_INT4:
+        return Int4Linear(Int4Groups.cat(int4()), bias, dtype)  # type: ignore[misc]
+    if kind is LinearKind.INT8:
+        return Int8Linear(Int8Groups.cat(int8()), bias, ops, dtype)  # type: ignore[arg-type,misc]
     weight = torch.cat(dense()).to(device=device, dtype=dtype).contiguous()
     return DenseLinear(weight, bias)

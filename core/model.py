@@ -7,8 +7,9 @@ large) and only the rows of the current chunk move to the compute device.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import partial
 from types import ModuleType
 
 import torch
@@ -19,9 +20,23 @@ from kvchat.kv.sparse import CacheGeometry
 
 from . import cpu_ops
 from .int4_layer import Int4DecodeLayer
-from .linear import DenseLinear, Int8Linear, Linear, PackedInt4Linear, make_linear
+from .linear import (
+    ConcatLinear,
+    DenseLinear,
+    Int8Linear,
+    Linear,
+    PackedInt4Linear,
+    linear_kind,
+    make_linear,
+    part_runs,
+)
 from .rope import Rope
 from .weights import Groups, ModelWeights, WeightsError
+
+
+def decoder_ops(device: torch.device, dtype: torch.dtype) -> ModuleType | None:
+    """core/cpu_ops.py's module where the decoder uses it (bf16 on the CPU), else None."""
+    return cpu_ops.load() if device.type == "cpu" and dtype == torch.bfloat16 else None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,7 +77,7 @@ class Transformer:
         t = weights.tensors
         # bf16 on the CPU: norms and the MLP's SiLU-and-multiply in one C++ call each (the
         # same values but for rare last-bit roundings), and a Q8_0 output layer read as stored.
-        ops = cpu_ops.load() if self.device.type == "cpu" and dtype == torch.bfloat16 else None
+        ops = decoder_ops(self.device, dtype)
         self._rms_norm = rms_norm if ops is None else ops.rms_norm
         self._silu_mul = silu_mul if ops is None else ops.silu_mul
 
@@ -84,15 +99,15 @@ class Transformer:
         def vec(name: str, size: int) -> torch.Tensor:
             return tensor(name, (size,)).to(device=self.device, dtype=dtype)
 
-        def groups(
-            held: Mapping[str, Groups], names: list[str]
-        ) -> Callable[[], list[Groups]] | None:
-            """The parts' integer groups, read when called; None unless every part has them."""
-            if not all(name in held for name in names):
-                return None
-            return lambda: [held[name] for name in names]
+        def dense(shapes: dict[str, tuple[int, ...]]) -> list[torch.Tensor]:
+            return [tensor(name, shape, dtype) for name, shape in shapes.items()]
+
+        def read(held: Mapping[str, Groups], names: list[str]) -> list[Groups]:
+            return [held[name] for name in names]
 
         def linear(names: list[str], out_sizes: list[int], in_size: int, bias: bool) -> Linear:
+            """One layer for the fused parts `names`, or one for each run of parts whose layers
+            are of one kind (part_runs)."""
             shapes = {f"{n}.weight": (o, in_size) for n, o in zip(names, out_sizes, strict=True)}
             for name, shape in shapes.items():
                 check(name, shape)
@@ -103,17 +118,31 @@ class Transformer:
                 if bias
                 else None
             )
-            return make_linear(
-                lambda: [tensor(name, shape, dtype) for name, shape in shapes.items()],
-                in_size,
-                groups(weights.int4, list(shapes)),
-                groups(weights.int8, list(shapes)),
-                biases,
-                weight_format,
-                dtype,
-                self.device,
-                ops,
-            )
+            keys = list(shapes)
+            int4 = [key in weights.int4 for key in keys]
+            int8 = [key in weights.int8 for key in keys]
+            kinds = [
+                linear_kind(o, in_size, i4, i8, weight_format, dtype, self.device, ops)
+                for o, i4, i8 in zip(out_sizes, int4, int8, strict=True)
+            ]
+            parts = []
+            for run in part_runs(kinds):
+                start, out = sum(out_sizes[: run.start]), sum(out_sizes[run])
+                parts.append(
+                    make_linear(
+                        partial(dense, {key: shapes[key] for key in keys[run]}),
+                        out,
+                        in_size,
+                        partial(read, weights.int4, keys[run]) if int4[run.start] else None,
+                        partial(read, weights.int8, keys[run]) if int8[run.start] else None,
+                        None if biases is None else biases[start : start + out],
+                        weight_format,
+                        dtype,
+                        self.device,
+                        ops,
+                    )
+                )
+            return parts[0] if len(parts) == 1 else ConcatLinear(parts)
 
         # The vocabulary-sized tensors first: the transient copies their conversion holds then
         # come before the layers are held, not on top of them (Qwen2.5-0.5B's Q8_0 output
@@ -205,8 +234,9 @@ class Transformer:
         """Bytes of weights held, by what they are held as ("int4", "int8", "bfloat16", ...),
         largest first; they add up to nbytes."""
         held: dict[str, int] = {}
-        for m in [*self._projections(), self.lm_head]:
-            held[m.format] = held.get(m.format, 0) + m.nbytes
+        for layer in [*self._projections(), self.lm_head]:
+            for m in layer.parts if isinstance(layer, ConcatLinear) else [layer]:
+                held[m.format] = held.get(m.format, 0) + m.nbytes
         # The rest: the embedding table (less the head's share of it) and the norms.
         dense = str(self.dtype).removeprefix("torch.")
         held[dense] = held.get(dense, 0) + self.nbytes - sum(held.values())

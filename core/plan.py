@@ -86,6 +86,46 @@ class MemoryPlan:
         )
 
 
+class ModelTooLargeError(PlanRefusedError):
+    """A model whose weights, as they would be held, and a first context do not fit the memory
+    available: refused before any tensor is read. Carries the plan's figures for a report."""
+
+    def __init__(
+        self, message: str, cfg: ModelConfig, weights: dict[str, int], itemsize: int
+    ) -> None:
+        super().__init__(message)
+        self.cfg, self.weights, self.itemsize = cfg, weights, itemsize
+
+
+def weights_line(weights: dict[str, int]) -> str:
+    """Bytes by format as `kvchat plan` prints them: "int8 0.47 GiB, bfloat16 0.25 GiB"."""
+    return ", ".join(f"{kind} {gib(n)}" for kind, n in weights.items())
+
+
+def check_model_fits(
+    cfg: ModelConfig,
+    lc: LongContextSettings,
+    itemsize: int,
+    weights: dict[str, int],
+    runtime_bytes: int,
+) -> None:
+    """ModelTooLargeError unless the weights (bytes by format, core/weight_plan.py) and a
+    first prefill chunk's context fit the memory available now."""
+    n = min(lc.chunk_size, lc.max_seq_len)
+    total = sum(weights.values())
+    p = plan_memory(cfg, lc, n, itemsize, total, available_memory(), 0, runtime_bytes)
+    if total + p.needed_bytes > p.usable_bytes:
+        raise ModelTooLargeError(
+            f"{cfg.name or cfg.architecture} needs {gib(total)} for its weights as loaded "
+            f"({weights_line(weights)}) and {gib(p.needed_bytes)} for a first {n:,}-token "
+            f"context, but only {gib(p.usable_bytes)} of memory is usable now; free memory or "
+            "choose a smaller model or a lower-bit quantization of it",
+            cfg,
+            weights,
+            itemsize,
+        )
+
+
 def gib(n: float) -> str:
     """A byte count as GiB with two decimals, as the plan's messages and tables show it."""
     return f"{n / 1024**3:.2f} GiB"

@@ -207,6 +207,8 @@ class ModelWeights:
     metadata: dict[str, object]  # GGUF key/values or the HF config.json dict
     # the subset stored as Q8_0, Q5_0 or Q6_K
     int8: Mapping[str, Int8Groups] = field(default_factory=dict)
+    # GGUF: each tensor's type ("Q4_K", "F32", ...); empty for other sources
+    file_types: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.tensors = LazyTensors.of(self.tensors)

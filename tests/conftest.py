@@ -84,3 +84,22 @@ def engine_fp32(settings_fp32):
     from kvchat.core.engine import Engine
 
     return Engine.load(settings_fp32)
+
+
+@pytest.fixture
+def fake_cgroups(tmp_path, monkeypatch):
+    """fake_cgroups(proc_line, files): point kvchat.core.memory at a /proc/self/cgroup and a
+    cgroup tree written here (file name under the tree -> its text)."""
+    from kvchat.core import memory
+
+    def write(proc_line: str, files: dict[str, str]) -> None:
+        proc = tmp_path / "cgroup"
+        proc.write_text(proc_line + "\n")
+        root = tmp_path / "sys-fs-cgroup"
+        for name, text in files.items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(text + "\n")
+        monkeypatch.setattr(memory, "PROC_CGROUP", proc)
+        monkeypatch.setattr(memory, "CGROUP_ROOT", root)
+
+    return write

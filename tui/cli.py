@@ -408,14 +408,22 @@ def cmd_config(args: argparse.Namespace) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from kvchat.core.engine import Engine
-    from kvchat.core.plan import plan_table
+    from kvchat.core.memory import process_rss
+    from kvchat.core.plan import ModelTooLargeError, plan_table, weights_line
 
     if args.paths:
         check_sources(args.paths)  # refused before the model loads
-    engine = Engine.load(_load(args).settings, args.model)
+    settings = _load(args).settings
+    try:
+        engine = Engine.load(settings, args.model)
+    except ModelTooLargeError as e:  # the rows from the file's header, then the refusal
+        print(f"weights as they would load: {weights_line(e.weights)}")
+        weights = sum(e.weights.values())
+        lc = settings.long_context
+        sys.stdout.write(plan_table(e.cfg, lc, e.itemsize, weights, process_rss()))
+        raise
     print(engine.compute_summary())
-    held = engine.model.bytes_by_format().items()
-    print("weights as loaded: " + ", ".join(f"{kind} {gib(n)}" for kind, n in held))
+    print(f"weights as loaded: {weights_line(engine.model.bytes_by_format())}")
     if args.paths:
         return _plan_document(engine, args.paths)
     sys.stdout.write(

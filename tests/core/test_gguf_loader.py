@@ -358,14 +358,17 @@ K_QUANTS = {
 }
 
 
-def random_blocks(rng: np.random.Generator, qtype: T, shape: tuple[int, int]) -> np.ndarray:
-    """Random block bytes for a [rows, cols] tensor, with sane fp16 super-block scales."""
+def random_blocks(
+    rng: np.random.Generator, qtype: T, shape: tuple[int, int], scale: float = 1e-2
+) -> np.ndarray:
+    """Random block bytes for a [rows, cols] tensor, with sane fp16 super-block scales (up to
+    `scale`)."""
     size, halves, _ = K_QUANTS[qtype]
     n_blocks = shape[0] * shape[1] // 256
     blocks = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
     for at in halves:
-        scale = rng.uniform(1e-3, 1e-2, n_blocks).astype(np.float16)
-        blocks[:, at : at + 2] = scale.view(np.uint8).reshape(n_blocks, 2)
+        values = rng.uniform(scale / 10, scale, n_blocks).astype(np.float16)
+        blocks[:, at : at + 2] = values.view(np.uint8).reshape(n_blocks, 2)
     return blocks.reshape(shape[0], -1)
 
 
@@ -458,7 +461,6 @@ def test_int8_layers_run_q5_0_and_q8_0_weights_close_to_their_exact_values(tmp_p
     from kvchat.core import cpu_ops
     from kvchat.core.linear import Int8Linear
     from kvchat.core.model import Transformer
-    from kvchat.kv.dense import DenseBackend
 
     if cpu_ops.load() is None:
         pytest.skip("no C++ compiler: the int8 products are not built")
@@ -477,10 +479,19 @@ def test_int8_layers_run_q5_0_and_q8_0_weights_close_to_their_exact_values(tmp_p
     matrices = sum(w.size for name, w in hf.items() if w.ndim == 2 and "embed" not in name)
     assert sum(m.nbytes for m in [*linears, model.lm_head]) < 1.2 * matrices  # int8, padded
 
-    cfg = model.cfg
-    prompt = torch.tensor([3, 17, 5, 29, 11, 2, 8, 30] * 10)  # 80 rows: past UNPACK_ROWS
+    _assert_close_to_exact(model, exact)
 
-    def run(m: Transformer, dtype: torch.dtype) -> list[torch.Tensor]:
+
+def _assert_close_to_exact(model, exact) -> None:
+    """The bf16 model's logits for an 80-token prompt pass (past UNPACK_ROWS: the unpacked
+    weights) and three decode steps (the integer products) within 3% of the largest of the
+    fp32 model's on the exact weights."""
+    from kvchat.kv.dense import DenseBackend
+
+    cfg = model.cfg
+    prompt = torch.tensor([3, 17, 5, 29, 11, 2, 8, 30] * 10)
+
+    def run(m, dtype: torch.dtype) -> list[torch.Tensor]:
         cache = DenseBackend(
             cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, m.rope, dtype, "cpu", 96
         )
@@ -489,8 +500,7 @@ def test_int8_layers_run_q5_0_and_q8_0_weights_close_to_their_exact_values(tmp_p
             logits.append(m.forward(torch.tensor([token]), cache))
         return logits
 
-    ours, exact_logits = run(model, torch.bfloat16), run(exact, torch.float32)
-    for got, want in zip(ours, exact_logits, strict=True):
+    for got, want in zip(run(model, torch.bfloat16), run(exact, torch.float32), strict=True):
         torch.testing.assert_close(got, want, rtol=0, atol=0.03 * want.abs().max().item())
 
 
@@ -807,3 +817,104 @@ def test_a_model_name_never_carries_terminal_controls(tmp_path):
     meta = {"general.name": "tiny \x1b]0;owned\x07 \x9b2J model"}
     path = write_model(tmp_path / "m.gguf", random_model(), metadata=meta)
     assert load_gguf(path).config.name == "tiny ]0;owned 2J model"
+
+
+# --- the weights' plan: bytes by format from the header, before any tensor is read ----------
+
+MIXES = {
+    # every matrix one type
+    **{t.name: {"": t} for t in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q6_K, T.F16)},
+    # llama.cpp's Q4_K_M: v, down and the output layer Q6_K (fused q, k, v mix the two)
+    "Q4_K_M": {"": T.Q4_K, "attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K},
+    # Qwen2.5-Coder-0.5B's: Q5_0 with Q8_0 v and output, Q4_K / Q6_K down
+    "qwen": {"": T.Q5_0, "attn_v": T.Q8_0, "output": T.Q8_0, "blk.0.ffn_down": T.Q4_K},
+}
+
+
+def _mixed_model(path: Path, arch: str, mix: dict[str, T], tied: bool) -> Path:
+    """Weights of a stable scale through the layers (~0.05) in the types `mix` names (a key
+    found in the GGUF name, else the type under "")."""
+    rng = np.random.default_rng(4)
+    tensors = {}
+    for gguf_name, shape in tensor_table(arch, tied).values():
+        if len(shape) == 1:
+            tensors[gguf_name] = 1 + 0.1 * rng.standard_normal(shape).astype(np.float32)
+            continue
+        qtype = next((t for key, t in mix.items() if key and key in gguf_name), mix[""])
+        if qtype in K_QUANTS:
+            tensors[gguf_name] = (random_blocks(rng, qtype, shape, 1e-4), qtype)
+        else:
+            w = 0.05 * rng.standard_normal(shape).astype(np.float32)
+            tensors[gguf_name] = (quantize(w, qtype), qtype)
+    return write_gguf(path, arch, tensors, base_metadata(arch))
+
+
+@pytest.mark.parametrize("mix", list(MIXES))
+@pytest.mark.parametrize(("arch", "tied"), [("llama", True), ("qwen2", False)])
+def test_the_weights_plan_is_what_the_model_holds(tmp_path, mix, arch, tied):
+    """bf16 on the CPU (int4, int8 and bf16 layers) and fp32: the plan from the file's types
+    and shapes, byte for byte what the built model holds by format."""
+    from kvchat.core.model import Transformer, decoder_ops
+    from kvchat.core.weight_plan import planned_weights
+
+    path = _mixed_model(tmp_path / "m.gguf", arch, MIXES[mix], tied)
+    cpu = torch.device("cpu")
+    for dtype, weight_format in [(torch.bfloat16, "int4"), (torch.float32, "dense")]:
+        weights = load_gguf(path)
+        plan = planned_weights(weights, weight_format, dtype, cpu, decoder_ops(cpu, dtype))
+        model = Transformer(weights, dtype=dtype, weight_format=weight_format)
+        assert plan == model.bytes_by_format(), (mix, dtype)
+        if mix == "Q4_K_M" and dtype == torch.bfloat16:  # q and k as int4, v as int8
+            assert [p.format for p in model.layers[0].qkv.parts] == ["int4", "int8"]
+
+
+def test_a_projection_of_int4_and_int8_parts_runs_each_on_its_groups(tmp_path):
+    """A Q4_K_M-like model in bf16 (q and k Q4_K, v and down Q6_K): the fused q, k and v run
+    as an int4 layer beside an int8 one, and the logits of a prompt pass and decode steps stay
+    within bf16's reach of the fp32 model on the exact weights."""
+    from kvchat.core import cpu_ops
+    from kvchat.core.linear import ConcatLinear
+    from kvchat.core.model import Transformer
+
+    if cpu_ops.load() is None:
+        pytest.skip("no C++ compiler: the int4 and int8 products are not built")
+    path = _mixed_model(tmp_path / "m.gguf", "qwen2", MIXES["Q4_K_M"], tied=False)
+    model = Transformer(load_gguf(path), dtype=torch.bfloat16, weight_format="int4")
+    exact = Transformer(load_gguf(path), dtype=torch.float32, weight_format="dense")
+    assert all(isinstance(layer.qkv, ConcatLinear) for layer in model.layers)
+    _assert_close_to_exact(model, exact)
+
+
+def test_the_bundled_models_weights_plan_is_what_it_holds(smollm2_path):
+    from kvchat.core.model import Transformer, decoder_ops
+    from kvchat.core.weight_plan import planned_weights
+
+    cpu, bf16 = torch.device("cpu"), torch.bfloat16
+    weights = load_gguf(smollm2_path)
+    plan = planned_weights(weights, "int4", bf16, cpu, decoder_ops(cpu, bf16))
+    assert plan == Transformer(weights, dtype=bf16, weight_format="int4").bytes_by_format()
+
+
+def test_a_model_that_cannot_fit_is_refused_before_a_tensor_is_read(fake_cgroups, capsys):
+    """With 100 MiB usable the bundled model's 0.15 GiB of weights cannot load: the engine
+    refuses it in one line naming the weights by format, and `kvchat plan` prints the rows
+    from the file's header first; no tensor is read."""
+    from kvchat.config import load_settings
+    from kvchat.core.engine import Engine
+    from kvchat.core.plan import ModelTooLargeError
+    from kvchat.tui.cli import EXIT_USAGE, main
+
+    fake_cgroups("0::/box", {"box/memory.max": str(100 << 20), "box/memory.current": "0"})
+    read: list[tuple[int, int]] = []
+    with pytest.raises(ModelTooLargeError) as refused:
+        Engine.load(load_settings().settings, "smollm2-135m", lambda *p: read.append(p))
+    assert read == []
+    message = str(refused.value)
+    assert "for its weights as loaded (int4 0.06 GiB, bfloat16 0.05 GiB, int8 0.03 GiB)" in message
+    assert "usable now" in message and "\n" not in message
+
+    assert main(["plan"]) == EXIT_USAGE
+    out, err = capsys.readouterr()
+    assert out.startswith("weights as they would load: int4 0.06 GiB")
+    assert "host memory available now: 0.10 GiB" in out
+    assert err.startswith("kvchat: error: ") and "usable now" in err

@@ -121,18 +121,6 @@ def test_engine_refuses_a_plan_above_memory(engine_fp32, settings_fp32):
     assert "4,000,000 tokens need" in str(e.value) and "usable" in str(e.value)
 
 
-def _fake_cgroups(tmp_path, monkeypatch, proc_line: str, files: dict[str, str]) -> None:
-    """Point kvchat.core.memory at a /proc/self/cgroup and a cgroup tree written here."""
-    proc = tmp_path / "cgroup"
-    proc.write_text(proc_line + "\n")
-    root = tmp_path / "sys-fs-cgroup"
-    for name, text in files.items():
-        (root / name).parent.mkdir(parents=True, exist_ok=True)
-        (root / name).write_text(text + "\n")
-    monkeypatch.setattr(memory, "PROC_CGROUP", proc)
-    monkeypatch.setattr(memory, "CGROUP_ROOT", root)
-
-
 @pytest.mark.parametrize(
     ("proc_line", "files"),
     [
@@ -164,19 +152,17 @@ def _fake_cgroups(tmp_path, monkeypatch, proc_line: str, files: dict[str, str]) 
     ],
     ids=["v2", "v2-ancestor", "v1"],
 )
-def test_a_cgroup_limit_makes_the_plan_refuse(tmp_path, monkeypatch, engine_fp32, proc_line, files):
+def test_a_cgroup_limit_makes_the_plan_refuse(fake_cgroups, engine_fp32, proc_line, files):
     engine_fp32.check_fits(4096, 16)  # fits the host
-    _fake_cgroups(tmp_path, monkeypatch, proc_line, files)
+    fake_cgroups(proc_line, files)
     assert memory.available_memory() == 100 << 20
     with pytest.raises(PlanRefusedError, match="usable"):
         engine_fp32.check_fits(4096, 16)
     assert "available now: 0.10 GiB" in plan_table(SMOL, SPARSE, 2, 100_000_000)
 
 
-def test_no_cgroup_limit_leaves_the_host_figure(tmp_path, monkeypatch):
-    _fake_cgroups(
-        tmp_path,
-        monkeypatch,
+def test_no_cgroup_limit_leaves_the_host_figure(fake_cgroups):
+    fake_cgroups(
         "0::/\n9:memory:/",
         {
             "memory.max": "max",
