@@ -35,8 +35,9 @@ SUPPORTED_TYPES = frozenset(
 )
 # Types whose values are 4-bit integers with a scale and a minimum per 32.
 INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
-# Types whose values are integers that fit int8, with one scale per 32 (per 16: Q6_K).
-INT8_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q6_K})
+# Types whose values are integers that fit int8, with one scale per 32 (per 16: Q6_K) and
+# for Q5_1 and Q5_K a minimum.
+INT8_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K})
 # llama.cpp's converter interleaves the Q/K rows of these architectures (Qwen2 is left alone).
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
@@ -71,10 +72,10 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 def load_gguf(path: Path, on_progress: Callable[[int, int], None] | None = None) -> ModelWeights:
     """Every decoder tensor of a GGUF file: int4 groups (Q4_0, Q4_1, Q4_K) and int8 groups
-    (Q8_0, Q5_0, Q6_K) for the types that keep them, float32 for all, each made from the file
-    when read and not kept (LazyGroups, LazyTensors); the config, names, types and shapes are
-    checked before anything is read. `on_progress(done, total)` follows the tensors as they
-    are read."""
+    (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) for the types that keep them, float32 for all, each made
+    from the file when read and not kept (LazyGroups, LazyTensors); the config, names, types
+    and shapes are checked before anything is read. `on_progress(done, total)` follows the
+    tensors as they are read."""
     reader = _open(path)
     metadata = _metadata(reader, path)
     # The parsed fields hold a numpy array per vocabulary token (~0.25 GiB for Qwen2's 152K);
@@ -124,6 +125,11 @@ def int8_group_size(type_names: list[str]) -> int:
     return 16 if T.Q6_K.name in type_names else 32
 
 
+def int8_has_minimum(type_names: list[str]) -> bool:
+    """Whether a projection whose int8 parts have these types holds minimums."""
+    return T.Q5_1.name in type_names or T.Q5_K.name in type_names
+
+
 class _Part:
     """One tensor of the file, read a block of rows at a time (all of them where llama.cpp's
     Q/K interleave mixes rows: `heads`), its pages released from the process once read."""
@@ -160,8 +166,9 @@ class _Part:
         return q.reshape(*scale.shape, -1) * scale[..., None] + minimum[..., None]
 
     def int8_rows(self, start: int, stop: int) -> np.ndarray:
-        q8, scale = self.int8_arrays(start, stop)
-        return q8.reshape(*scale.shape, -1) * scale[..., None]  # as gguf's dequantize
+        q8, scale, *minimum = self.int8_arrays(start, stop)
+        rows = q8.reshape(*scale.shape, -1) * scale[..., None]  # as gguf's dequantize
+        return rows + minimum[0][..., None] if minimum else rows
 
     def dequantized_rows(self, start: int, stop: int) -> np.ndarray:
         return self._read(start, stop, self._dequantized)[0]
@@ -419,31 +426,63 @@ def _q4_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     - dmin * m_j, with scale d * sc_j and minimum -(dmin * m_j), exact float32 products of an
     fp16 and a 6-bit integer (gguf's own arithmetic, so the sums are bit for bit its too)."""
     rows, n = blocks.shape[:2]
-    sc, m = (a.reshape(rows, n, 8) for a in Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12)))
-    scale = _half(blocks[..., 0:2])[..., None] * sc.astype(np.float32)
-    minimum = -(_half(blocks[..., 2:4])[..., None] * m.astype(np.float32))
+    scale, minimum = _k_scales(blocks)
     # Bytes 32 k .. 32 k + 31 of the 128 hold sub-block 2 k in their low nibbles, 2 k + 1 high.
     packed = blocks[..., 16:].reshape(rows, n, 4, 1, 32)
     q = np.concatenate([packed & 0x0F, packed >> 4], axis=-2)
-    return q.reshape(rows, -1), scale.reshape(rows, -1), minimum.reshape(rows, -1)
+    return q.reshape(rows, -1), scale, minimum
 
 
-def _int8_groups(qtype: T, data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _int8_groups(qtype: T, data: np.ndarray) -> tuple[np.ndarray, ...]:
     """(q, scale) of rows of a Q8_0, Q5_0 or Q6_K tensor's data, int8 values q such that
-    q * scale is exact (a scale per 32 values, per 16 for Q6_K)."""
+    q * scale is exact (a scale per 32 values, per 16 for Q6_K); (q, scale, minimum) of a Q5_1
+    or Q5_K one, q * scale + minimum exact."""
     rows = data.shape[0]
     blocks = data.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
     if qtype == T.Q6_K:
         return _q6_k_groups(blocks)
+    if qtype == T.Q5_K:
+        return _q5_k_groups(blocks)
     if qtype == T.Q8_0:  # an fp16 scale, then 32 int8 values
         q = np.ascontiguousarray(blocks[..., 2:]).view(np.int8)
-    else:  # Q5_0: an fp16 scale, 32 high bits, 16 bytes of low nibbles; values 0..31 less 16
-        high = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")  # bit i: element i
-        packed = blocks[..., 6:]
-        # Byte j of a block holds element j in its low nibble and element j + 16 in its high one.
-        low = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
-        q = ((low | (high << 4)) - np.uint8(16)).view(np.int8)  # -16..15, wrapped in uint8
+        return q.reshape(rows, -1), _half(blocks[..., 0:2])
+    # Q5_0: an fp16 scale, 32 high bits, 16 bytes of low nibbles; values 0..31 less 16.
+    # Q5_1: an fp16 scale and minimum, then the same values 0..31.
+    first = 4 if qtype == T.Q5_1 else 2
+    high = np.unpackbits(blocks[..., first : first + 4], axis=-1, bitorder="little")  # bit i
+    packed = blocks[..., first + 4 :]
+    # Byte j of a block holds element j in its low nibble and element j + 16 in its high one.
+    low = np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+    q = low | (high << 4)
+    if qtype == T.Q5_1:
+        return q.view(np.int8).reshape(rows, -1), _half(blocks[..., 0:2]), _half(blocks[..., 2:4])
+    q = (q - np.uint8(16)).view(np.int8)  # -16..15, wrapped in uint8
     return q.reshape(rows, -1), _half(blocks[..., 0:2])
+
+
+def _q5_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q5_K super-blocks [rows, n, 176] as int8 values 0..31 in groups of 32 (its sub-blocks)
+    with scale d * sc and minimum -(dmin * m), as Q4_K's (gguf's own arithmetic)."""
+    rows, n = blocks.shape[:2]
+    scale, minimum = _k_scales(blocks)
+    # Bit j of byte i of the 32 high bytes is element i of sub-block j's fifth bit; bytes
+    # 32 k .. 32 k + 31 of the 128 low ones hold sub-block 2 k in their low nibbles, 2 k + 1
+    # in their high ones.
+    high = blocks[..., 16:48].reshape(rows, n, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]
+    packed = blocks[..., 48:].reshape(rows, n, 4, 1, 32)
+    low = np.concatenate([packed & 0x0F, packed >> 4], axis=-2).reshape(rows, n, 8, 32)
+    q = (low | ((high & 0x01) << 4)).view(np.int8)
+    return q.reshape(rows, -1), scale, minimum
+
+
+def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K's and Q5_K's per-32 scale d * sc and minimum -(dmin * m) [rows, n * 8]: exact
+    float32 products of an fp16 and a 6-bit integer, as gguf computes them."""
+    rows, n = blocks.shape[:2]
+    sc, m = (a.reshape(rows, n, 8) for a in Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12)))
+    scale = _half(blocks[..., 0:2])[..., None] * sc.astype(np.float32)
+    minimum = -(_half(blocks[..., 2:4])[..., None] * m.astype(np.float32))
+    return scale.reshape(rows, -1), minimum.reshape(rows, -1)
 
 
 def _q6_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -153,12 +153,15 @@ class PackedInt4Linear:
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
 
-def pack_int8(groups: Int8Groups) -> tuple[torch.Tensor, torch.Tensor]:
+def pack_int8(
+    groups: Int8Groups,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """An int8 weight [N, K] in decoder_ops.cpp's int8_linear layout: (packed uint8 [N' / 16,
-    16 K], scale fp32 [N' / 16, K / G, 16] for a scale per G inputs, 32 or 16), N' = N rounded
-    up to 16 with zero rows. Tile t's group g is 8 chunks of 64 bytes; byte 4 r + j of chunk c
-    holds row 16 t + r's value for input 32 g + 4 c + j plus 128 (an unsigned byte, as vpdpbusd
-    multiplies): a chunk is 16 rows' 4 adjacent inputs, one row to a 32-bit lane. Packed
+    16 K], scale fp32 [N' / 16, K / G, 16] for a scale per G inputs, 32 or 16, and the
+    minimums in the scales' layout or None), N' = N rounded up to 16 with zero rows. Tile t's
+    group g is 8 chunks of 64 bytes; byte 4 r + j of chunk c holds row 16 t + r's value for
+    input 32 g + 4 c + j plus 128 (an unsigned byte, as vpdpbusd multiplies): a chunk is 16
+    rows' 4 adjacent inputs, one row to a 32-bit lane. Packed
     _PACK_TILES tiles at a time, so that packing a vocabulary-sized output layer holds its
     groups and the result, not two more copies."""
     q, scale = groups.q, groups.scale
@@ -173,9 +176,13 @@ def pack_int8(groups: Int8Groups) -> tuple[torch.Tensor, torch.Tensor]:
         # [tile, row, group, chunk, j] -> [tile, group, chunk, row, j]
         block = shifted.view(count, 16, n_groups, 8, 4).permute(0, 2, 3, 1, 4)
         packed[t0 : t0 + count] = block.reshape(count, n_groups * 512)
-    scale = F.pad(scale, (0, 0, 0, 16 * tiles - n))
-    per_tile = scale.view(tiles, 16, scale.shape[1]).transpose(1, 2)
-    return packed, per_tile.contiguous()
+
+    def per_tile(t: torch.Tensor) -> torch.Tensor:
+        t = F.pad(t, (0, 0, 0, 16 * tiles - n))
+        return t.view(tiles, 16, t.shape[1]).transpose(1, 2).contiguous()
+
+    minimum = None if groups.minimum is None else per_tile(groups.minimum)
+    return packed, per_tile(scale), minimum
 
 
 # Tiles of 16 rows packed at a time: 4096 rows (3.5 MiB of a 896-wide weight).
@@ -203,22 +210,24 @@ class Int8Linear:
         out_dtype: torch.dtype,
         table: torch.Tensor | None = None,
     ) -> None:
-        self.packed, self.scale = pack_int8(groups)
+        self.packed, self.scale, self.minimum = pack_int8(groups)
         self.bias, self._ops, self.out_dtype, self.table = bias, ops, out_dtype, table
         self.out_features = groups.q.shape[0]
         self.format = "int8"
-        self.nbytes = self.read_bytes = _nbytes(self.packed, self.scale, bias)
+        self.nbytes = self.read_bytes = _nbytes(self.packed, self.scale, self.minimum, bias)
         self._unpack_rows = _unpack_rows(self.UNPACK_ROWS)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         if self._unpack_rows is None or rows.shape[0] < self._unpack_rows:
-            y = self._ops.int8_linear(rows, self.packed, self.scale)[:, : self.out_features]
+            y = self._ops.int8_linear(rows, self.packed, self.scale, self.minimum)
+            y = y[:, : self.out_features]
             y = y if self.bias is None else y + self.bias
         else:
             weight = self.table
             if weight is None:
-                weight = self._ops.int8_dequantize(self.packed, self.scale)[: self.out_features]
+                unpacked = self._ops.int8_dequantize(self.packed, self.scale, self.minimum)
+                weight = unpacked[: self.out_features]
             y = F.linear(rows.bfloat16(), weight, self.bias)
         return y.to(self.out_dtype).reshape(*x.shape[:-1], -1)
 
@@ -309,9 +318,11 @@ def planned_bytes(
     bias: bool,
     group_size: int = GROUP_SIZE,
     scale_itemsize: int = 2,
+    minimum: bool = False,
 ) -> int:
     """The bytes a layer of `kind` holds (its `nbytes`), from the shapes alone: `group_size`
-    inputs per int8 scale, `scale_itemsize` of an int4 scale (2: fp16, 4: fp32)."""
+    inputs per int8 scale, `scale_itemsize` of an int4 scale (2: fp16, 4: fp32), whether the
+    int8 groups have minimums."""
     n, k, item = out_features, in_features, dtype.itemsize
     held = n * item if bias else 0
     groups = n * (k // GROUP_SIZE)
@@ -321,7 +332,7 @@ def planned_bytes(
         return held + n * k // 2 + 2 * groups * item
     if kind is LinearKind.INT8:
         padded = n + -n % 16
-        return held + padded * k + padded * (k // group_size) * 4
+        return held + padded * k + padded * (k // group_size) * 4 * (2 if minimum else 1)
     if widened_products(device, dtype):
         copy = 4
     else:

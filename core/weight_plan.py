@@ -9,7 +9,7 @@ from types import ModuleType
 
 import torch
 
-from .gguf_loader import int4_scale_itemsize, int8_group_size
+from .gguf_loader import int4_scale_itemsize, int8_group_size, int8_has_minimum
 from .linear import LinearKind, linear_kind, part_runs, planned_bytes
 from .weights import ModelWeights
 
@@ -53,6 +53,7 @@ def planned_weights(
                 bias,
                 int8_group_size(types),
                 int4_scale_itemsize(types),
+                int8_has_minimum(types),
             )
             add(kind.format, size)
 
@@ -76,7 +77,14 @@ def planned_weights(
     if q8:  # the file's int8 table; a tied one takes the embedding for many rows
         types = [weights.file_types.get(f"{head}.weight", "")]
         size = planned_bytes(
-            LinearKind.INT8, cfg.vocab_size, h, dtype, device, False, int8_group_size(types)
+            LinearKind.INT8,
+            cfg.vocab_size,
+            h,
+            dtype,
+            device,
+            False,
+            int8_group_size(types),
+            minimum=int8_has_minimum(types),
         )
         add("int8", size)
     elif head_is_embed:  # the table is held once; the head adds its copy for products

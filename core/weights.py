@@ -63,11 +63,12 @@ class Int4Groups:
 @dataclass(frozen=True)
 class Int8Groups:
     """A weight stored exactly as 8-bit integers with a scale per group of 32 inputs (GGUF
-    Q8_0, and Q5_0's 5-bit values) or of 16 (Q6_K's 6-bit values): weight = q * scale, the
-    product exact in float32."""
+    Q8_0, and Q5_0's 5-bit values) or of 16 (Q6_K's 6-bit values), and for Q5_1 and Q5_K a
+    minimum per group: weight = q * scale (+ minimum), the product exact in float32."""
 
     q: torch.Tensor  # int8 [out_features, in_features]
     scale: torch.Tensor  # float32 [out_features, in_features // group_size]
+    minimum: torch.Tensor | None = None  # float32, as scale
 
     @property
     def group_size(self) -> int:
@@ -77,12 +78,20 @@ class Int8Groups:
         """The float32 weight [out_features, in_features]."""
         rows = self.q.shape[0]
         grouped = self.q.reshape(rows, -1, self.group_size).to(torch.float32)
-        return (grouped * self.scale[..., None]).reshape(rows, -1)
+        weight = grouped * self.scale[..., None]
+        if self.minimum is not None:
+            weight = weight + self.minimum[..., None]
+        return weight.reshape(rows, -1)
 
-    def regrouped(self, group_size: int) -> Int8Groups:
-        """The same weight with a scale per `group_size` inputs (a divisor of this one's)."""
+    def regrouped(self, group_size: int, minimum: bool) -> Int8Groups:
+        """The same weight with a scale per `group_size` inputs (a divisor of this one's), and
+        with minimums (zero where it has none) if `minimum`."""
         repeats = self.group_size // group_size
-        return Int8Groups(self.q, self.scale.repeat_interleave(repeats, dim=1))
+        scale = self.scale.repeat_interleave(repeats, dim=1)
+        kept = torch.zeros_like(self.scale) if self.minimum is None else self.minimum
+        return Int8Groups(
+            self.q, scale, kept.repeat_interleave(repeats, dim=1) if minimum else None
+        )
 
     @staticmethod
     def cat(groups: list[Int8Groups]) -> Int8Groups:
@@ -91,9 +100,12 @@ class Int8Groups:
         if len(groups) == 1:
             return groups[0]
         size = min(g.group_size for g in groups)
-        groups = [g.regrouped(size) for g in groups]
+        minimum = any(g.minimum is not None for g in groups)
+        groups = [g.regrouped(size, minimum) for g in groups]
         return Int8Groups(
-            q=torch.cat([g.q for g in groups]), scale=torch.cat([g.scale for g in groups])
+            q=torch.cat([g.q for g in groups]),
+            scale=torch.cat([g.scale for g in groups]),
+            minimum=torch.cat([g.minimum for g in groups]) if minimum else None,  # type: ignore[misc]
         )
 
 
@@ -205,7 +217,7 @@ class ModelWeights:
     int4: Mapping[str, Int4Groups]  # the subset of `tensors` stored as Q4_0 / Q4_1 / Q4_K
     source: Path  # the resolved file or folder
     metadata: dict[str, object]  # GGUF key/values or the HF config.json dict
-    # the subset stored as Q8_0, Q5_0 or Q6_K
+    # the subset stored as Q8_0, Q5_0, Q5_1, Q5_K or Q6_K
     int8: Mapping[str, Int8Groups] = field(default_factory=dict)
     # GGUF: each tensor's type ("Q4_K", "F32", ...); empty for other sources
     file_types: dict[str, str] = field(default_factory=dict)

@@ -104,14 +104,20 @@ inline int32_t int_sum(const QuantRow& x, int64_t g, int s) {
   return S == 1 ? x.int_sums[2 * g] + x.int_sums[2 * g + 1] : x.int_sums[2 * g + s];
 }
 
+// The row's exact sum under weight scale s of group g, which a minimum multiplies.
+template <int S>
+inline float input_sum(const QuantRow& x, int64_t g, int s) {
+  return S == 1 ? x.sums[g] : x.half_sums[2 * g + s];
+}
+
 #if KVCHAT_VNNI
 // Output rows 16 t .. 16 (t + NT) of the int8 weight for the quantized row x, NT tiles side by
 // side (as int4_layer.cpp's tiles), with S weight scales per group of 32 inputs (1: Q8_0 and
 // Q5_0; 2: Q6_K's 16): per scale, D = 256 sum w h + sum w l - 128 X16 is the exact integer
 // product of the signed weights q = w - 128 and the row's 16-bit integers.
 template <int NT, int S>
-void int8_tiles(const uint8_t* packed, const float* scale, const QuantRow& x, int64_t K,
-                int64_t t, float* out) {
+void int8_tiles(const uint8_t* packed, const float* scale, const float* minimum,
+                const QuantRow& x, int64_t K, int64_t t, float* out) {
   const int64_t G = K / 32;
   constexpr int C = 8 / S;  // chunks of 4 inputs under one scale
   __m512 acc[NT];
@@ -138,8 +144,12 @@ void int8_tiles(const uint8_t* packed, const float* scale, const QuantRow& x, in
       for (int i = 0; i < NT; ++i) {
         const __m512i d = _mm512_sub_epi32(
             _mm512_add_epi32(_mm512_slli_epi32(high[i], 8), low[i]), offset);
-        const __m512 w_scale = _mm512_loadu_ps(scale + (((t + i) * G + g) * S + s) * 16);
+        const int64_t at = (((t + i) * G + g) * S + s) * 16;
+        const __m512 w_scale = _mm512_loadu_ps(scale + at);
         acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(w_scale, dx), _mm512_cvtepi32_ps(d), acc[i]);
+        if (minimum != nullptr)
+          acc[i] = _mm512_fmadd_ps(_mm512_loadu_ps(minimum + at),
+                                   _mm512_set1_ps(input_sum<S>(x, g, s)), acc[i]);
       }
     }
   }
@@ -152,8 +162,8 @@ void int8_tiles(const uint8_t* packed, const float* scale, const QuantRow& x, in
 // 2 * 255 * 32512), and one vphaddd a pair of row quads makes them one sum a row. The sums
 // are exactly the VNNI path's, so both give the same fp32 results.
 template <int NT, int S>
-void int8_tiles(const uint8_t* packed, const float* scale, const QuantRow& x, int64_t K,
-                int64_t t, float* out) {
+void int8_tiles(const uint8_t* packed, const float* scale, const float* minimum,
+                const QuantRow& x, int64_t K, int64_t t, float* out) {
   const int64_t G = K / 32;
   constexpr int C = 8 / S;
   // vphaddd leaves rows 0, 1, 4, 5, 2, 3, 6, 7 of two quads.
@@ -186,10 +196,13 @@ void int8_tiles(const uint8_t* packed, const float* scale, const QuantRow& x, in
           const __m256i rows = _mm256_permutevar8x32_epi32(
               _mm256_hadd_epi32(sums[i][2 * half], sums[i][2 * half + 1]), order);
           const __m256i d = _mm256_sub_epi32(rows, offset);
-          const __m256 w_scale =
-              _mm256_loadu_ps(scale + (((t + i) * G + g) * S + s) * 16 + 8 * half);
+          const int64_t at = (((t + i) * G + g) * S + s) * 16 + 8 * half;
+          const __m256 w_scale = _mm256_loadu_ps(scale + at);
           acc[i][half] =
               _mm256_fmadd_ps(_mm256_mul_ps(w_scale, dx), _mm256_cvtepi32_ps(d), acc[i][half]);
+          if (minimum != nullptr)
+            acc[i][half] = _mm256_fmadd_ps(_mm256_loadu_ps(minimum + at),
+                                           _mm256_set1_ps(input_sum<S>(x, g, s)), acc[i][half]);
         }
     }
   }
@@ -199,8 +212,8 @@ void int8_tiles(const uint8_t* packed, const float* scale, const QuantRow& x, in
 #else
 // The same products one value at a time (CPUs without AVX2 or AVX512-VNNI).
 template <int NT, int S>
-void int8_tiles(const uint8_t* packed, const float* scale, const QuantRow& x, int64_t K,
-                int64_t t, float* out) {
+void int8_tiles(const uint8_t* packed, const float* scale, const float* minimum,
+                const QuantRow& x, int64_t K, int64_t t, float* out) {
   const int64_t G = K / 32;
   constexpr int C = 8 / S;
   for (int64_t tile = t; tile < t + NT; ++tile) {
@@ -215,9 +228,12 @@ void int8_tiles(const uint8_t* packed, const float* scale, const QuantRow& x, in
               dot[r] += packed[tile * 16 * K + g * 512 + 64 * c + 4 * r + j] *
                         (256 * x.high[k] + x.low[k]);
             }
-        for (int r = 0; r < 16; ++r)
-          acc[r] = std::fma(scale[((tile * G + g) * S + s) * 16 + r] * x.scale[g],
+        for (int r = 0; r < 16; ++r) {
+          const int64_t at = ((tile * G + g) * S + s) * 16 + r;
+          acc[r] = std::fma(scale[at] * x.scale[g],
                             static_cast<float>(dot[r] - 128 * int_sum<S>(x, g, s)), acc[r]);
+          if (minimum != nullptr) acc[r] = std::fma(minimum[at], input_sum<S>(x, g, s), acc[r]);
+        }
       }
     std::copy(acc, acc + 16, out + 16 * tile);
   }
@@ -239,18 +255,28 @@ int64_t scales_per_group(const torch::Tensor& packed, const torch::Tensor& scale
   return scale.size(1) / G;
 }
 
+// The minimums' data (fp32, the scales' shape), or nullptr for weights without them.
+const float* minimum_data(const c10::optional<torch::Tensor>& minimum, const torch::Tensor& scale,
+                          const char* what) {
+  if (!minimum.has_value()) return nullptr;
+  TORCH_CHECK(minimum->scalar_type() == at::kFloat && minimum->is_contiguous() &&
+                  minimum->sizes() == scale.sizes(),
+              what, ": minimums fp32 and contiguous, in the scales' shape");
+  return minimum->data_ptr<float>();
+}
+
 template <int S>
 void int8_rows(const std::vector<QuantBuffer>& rows, const uint8_t* pp, const float* sp,
-               int64_t K, int64_t T, float* op) {
+               const float* mp, int64_t K, int64_t T, float* op) {
   // Pairs of tiles (32 of the vocabulary's rows, for the head) in tasks of 16.
   at::parallel_for(0, (T + 1) / 2, 16, [&](int64_t lo, int64_t hi) {
     for (size_t m = 0; m < rows.size(); ++m) {
       const QuantRow row = rows[m].row();
       for (int64_t pair = lo; pair < hi; ++pair) {
         if (2 * pair + 1 < T)
-          int8_tiles<2, S>(pp, sp, row, K, 2 * pair, op + m * 16 * T);
+          int8_tiles<2, S>(pp, sp, mp, row, K, 2 * pair, op + m * 16 * T);
         else
-          int8_tiles<1, S>(pp, sp, row, K, 2 * pair, op + m * 16 * T);
+          int8_tiles<1, S>(pp, sp, mp, row, K, 2 * pair, op + m * 16 * T);
       }
     }
   });
@@ -261,11 +287,13 @@ void int8_rows(const std::vector<QuantBuffer>& rows, const uint8_t* pp, const fl
 // x [M, K] (fp32 or bf16) times a GGUF int8 weight in core/linear.py's pack_int8 layout:
 // packed uint8 [N / 16, 16 K] (the int8 values plus 128; tile t's group g is 8 chunks of 64
 // bytes, byte 4 r + j of chunk c holding row 16 t + r's input 32 g + 4 c + j) and fp32 scales
-// [N / 16, S K / 32, 16], one per 32 inputs (S = 1) or per 16 (S = 2): fp32 [M, N]. The rows of
-// x go in as 16-bit integers per group of 32 (quant_row.h), so the weights multiply them
-// exactly in int32 with vpdpbusd: fp32 products run at ~12 GB/s, bound by widening every
-// weight to an fp32.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale) {
+// [N / 16, S K / 32, 16], one per 32 inputs (S = 1) or per 16 (S = 2), and where the weights
+// have them (Q5_1, Q5_K: q * scale + minimum) fp32 minimums of the same shape: fp32 [M, N].
+// The rows of x go in as 16-bit integers per group of 32 (quant_row.h), so the weights
+// multiply them exactly in int32 with vpdpbusd: fp32 products run at ~12 GB/s, bound by
+// widening every weight to an fp32.
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
+                          c10::optional<torch::Tensor> minimum) {
   TORCH_CHECK(x.dim() == 2, "int8_linear: x [M, K]");
   const int64_t S = scales_per_group(packed, scale, "int8_linear");
   const int64_t M = x.size(0), K = x.size(1), T = packed.size(0);
@@ -288,18 +316,20 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
   auto out = torch::empty({M, 16 * T}, x.options().dtype(torch::kFloat));
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
+  const float* mp = minimum_data(minimum, scale, "int8_linear");
   float* op = out.data_ptr<float>();
   if (S == 1)
-    int8_rows<1>(rows, pp, sp, K, T, op);
+    int8_rows<1>(rows, pp, sp, mp, K, T, op);
   else
-    int8_rows<2>(rows, pp, sp, K, T, op);
+    int8_rows<2>(rows, pp, sp, mp, K, T, op);
   return out;
 }
 
-// The bf16 weight [N', K] of int8_linear's layout, each value q * scale rounded to bf16, for
-// the bf16 products of prefill chunks: unpacked at each call, which a chunk's product
-// amortizes (as int4_dequantize).
-torch::Tensor int8_dequantize(torch::Tensor packed, torch::Tensor scale) {
+// The bf16 weight [N', K] of int8_linear's layout, each value q * scale (+ minimum) in fp32
+// rounded to bf16, for the bf16 products of prefill chunks: unpacked at each call, which a
+// chunk's product amortizes (as int4_dequantize).
+torch::Tensor int8_dequantize(torch::Tensor packed, torch::Tensor scale,
+                              c10::optional<torch::Tensor> minimum) {
   const int64_t S = scales_per_group(packed, scale, "int8_dequantize");
   const int64_t T = packed.size(0), K = packed.size(1) / 16, G = K / 32;
   packed = packed.contiguous();
@@ -307,21 +337,26 @@ torch::Tensor int8_dequantize(torch::Tensor packed, torch::Tensor scale) {
   auto out = torch::empty({16 * T, K}, torch::kBFloat16);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
+  const float* mp = minimum_data(minimum, scale, "int8_dequantize");
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, T, 1, [&](int64_t lo, int64_t hi) {
     // A chunk's 64 bytes in order (16 rows' 4 inputs each) vectorize; their 4-value pieces
     // are then copied to the 16 rows.
-    float scales[64];
+    float scales[64], minimums[64] = {};
     uint16_t values[64];
     for (int64_t t = lo; t < hi; ++t)
       for (int64_t g = 0; g < G; ++g)
         for (int c = 0; c < 8; ++c) {
-          if (c % (8 / S) == 0)
-            for (int i = 0; i < 64; ++i) scales[i] = sp[((t * G + g) * S + c * S / 8) * 16 + i / 4];
+          if (c % (8 / S) == 0) {
+            const int64_t at = ((t * G + g) * S + c * S / 8) * 16;
+            for (int i = 0; i < 64; ++i) scales[i] = sp[at + i / 4];
+            if (mp != nullptr)
+              for (int i = 0; i < 64; ++i) minimums[i] = mp[at + i / 4];
+          }
           const uint8_t* chunk = pp + t * 16 * K + g * 512 + 64 * c;
           for (int i = 0; i < 64; ++i) {
             const int q = static_cast<int>(chunk[i]) - 128;
-            values[i] = float_to_bf16(static_cast<float>(q) * scales[i]);
+            values[i] = float_to_bf16(static_cast<float>(q) * scales[i] + minimums[i]);
           }
           for (int r = 0; r < 16; ++r)
             std::memcpy(op + (16 * t + r) * K + 32 * g + 4 * c, values + 4 * r, 8);
@@ -333,8 +368,11 @@ torch::Tensor int8_dequantize(torch::Tensor packed, torch::Tensor scale) {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("silu_mul", &silu_mul);
-  m.def("int8_linear", &int8_linear);
-  m.def("int8_dequantize", &int8_dequantize);
+  namespace py = pybind11;
+  m.def("int8_linear", &int8_linear, py::arg("x"), py::arg("packed"), py::arg("scale"),
+        py::arg("minimum") = py::none());
+  m.def("int8_dequantize", &int8_dequantize, py::arg("packed"), py::arg("scale"),
+        py::arg("minimum") = py::none());
   m.def("int4_linear", &int4_linear);
   m.def("int4_dequantize", &int4_dequantize);
   bind_int4_layer(m);

@@ -33,15 +33,16 @@
 namespace kvchat {
 
 // A quantized row: the 16-bit integers and their halves, each group's scale, its exact sum X
-// in fp32 (what an int4 weight's minimum multiplies) and the sums of its 16-bit integers over
-// each half group of 16 (what the int8 weights' offset of 128 multiplies: Q6_K's scales cover
-// 16 inputs each).
+// in fp32 (what a weight's minimum multiplies) and that sum over each half group of 16, and
+// the sums of its 16-bit integers over each half group (what the int8 weights' offset of 128
+// multiplies). Halves, because Q6_K's scales cover 16 inputs each.
 struct QuantRow {
   const int16_t* x16;
   const int8_t* high;
   const int8_t* low;
   const float* scale;
   const float* sums;
+  const float* half_sums;
   const int32_t* int_sums;
 };
 
@@ -49,13 +50,14 @@ struct QuantRow {
 struct QuantBuffer {
   std::vector<int16_t> x16;
   std::vector<int8_t> high, low;
-  std::vector<float> scale, sums;
+  std::vector<float> scale, sums, half_sums;
   std::vector<int32_t> int_sums;
   explicit QuantBuffer(int64_t K)
-      : x16(K), high(K), low(K), scale(K / 32), sums(K / 32), int_sums(K / 16) {}
+      : x16(K), high(K), low(K), scale(K / 32), sums(K / 32), half_sums(K / 16), int_sums(K / 16) {}
   QuantRow row(int64_t g0 = 0) const {
-    return {x16.data() + 32 * g0, high.data() + 32 * g0, low.data() + 32 * g0,
-            scale.data() + g0,    sums.data() + g0,      int_sums.data() + 2 * g0};
+    return {x16.data() + 32 * g0, high.data() + 32 * g0,     low.data() + 32 * g0,
+            scale.data() + g0,    sums.data() + g0,          half_sums.data() + 2 * g0,
+            int_sums.data() + 2 * g0};
   }
 };
 
@@ -67,11 +69,12 @@ inline float value_of(float x) { return x; }
 template <typename T>
 void quantize_groups(const T* x, int64_t K, QuantBuffer& b, int64_t g0 = 0) {
   for (int64_t g = 0; g < K / 32; ++g) {
-    float v[32], amax = 0.f, sum = 0.f;
+    float v[32], amax = 0.f, sum = 0.f, half[2] = {0.f, 0.f};
     for (int i = 0; i < 32; ++i) {
       v[i] = value_of(x[32 * g + i]);
       amax = std::max(amax, std::fabs(v[i]));
       sum += v[i];
+      half[i / 16] += v[i];
     }
     const float inv = amax > 0.f ? 32512.f / amax : 0.f;
     int32_t int_sum[2] = {0, 0};
@@ -85,6 +88,8 @@ void quantize_groups(const T* x, int64_t K, QuantBuffer& b, int64_t g0 = 0) {
     }
     b.scale[g0 + g] = amax / 32512.f;
     b.sums[g0 + g] = sum;
+    b.half_sums[2 * (g0 + g)] = half[0];
+    b.half_sums[2 * (g0 + g) + 1] = half[1];
     b.int_sums[2 * (g0 + g)] = int_sum[0];
     b.int_sums[2 * (g0 + g) + 1] = int_sum[1];
   }

@@ -60,27 +60,41 @@ def test_the_ops_refuse_what_they_do_not_compute():
         OPS.int8_linear(torch.randn(1, 64).half(), *pack_int8(_groups(16, 64)))
 
 
-def _groups(out_features: int, in_features: int, group_size: int = 32) -> Int8Groups:
-    """Q8_0-like groups (a scale per 32), or Q6_K-like ones (`group_size` 16)."""
+def _groups(
+    out_features: int, in_features: int, group_size: int = 32, minimum: bool = False
+) -> Int8Groups:
+    """Q8_0-like groups (a scale per 32), or Q6_K-like ones (`group_size` 16); with a minimum
+    per group (Q5_1, Q5_K). Scales and minimums of fp16's precision, as a file's are (Q5_K's
+    d * sc has 17 bits): q * scale is exact in fp32, so adding the minimum rounds once
+    whatever the order."""
     gen = torch.Generator().manual_seed(3)
     q = torch.randint(-127, 128, (out_features, in_features), generator=gen, dtype=torch.int8)
-    scale = torch.rand(out_features, in_features // group_size, generator=gen) * 0.02
-    return Int8Groups(q, scale)
+    shape = (out_features, in_features // group_size)
+    scale = (torch.rand(shape, generator=gen) * 0.02).half().float()
+    low = -torch.rand(shape, generator=gen).half().float() if minimum else None
+    return Int8Groups(q, scale, low)
 
 
 def _input_rounding(x: torch.Tensor, groups: Int8Groups) -> torch.Tensor:
     """The most the inputs' rounding to 16-bit integers per group of 32 (each within
-    max |x| / 32512 / 2 of its value) can move each product: [rows, out_features]."""
+    max |x| / 32512 / 2 of its value) can move each product: [rows, out_features]. A minimum
+    multiplies the inputs' exact sum, so only q * scale counts."""
     dx = x.double().view(x.shape[0], -1, 32).abs().amax(-1) / 32512
-    weight = groups.dequantize().double().abs().view(groups.q.shape[0], -1, 32).sum(-1)
-    return (dx / 2) @ weight.T
+    scaled = Int8Groups(groups.q, groups.scale).dequantize().double().abs()
+    return (dx / 2) @ scaled.view(groups.q.shape[0], -1, 32).sum(-1).T
 
 
-@pytest.mark.parametrize("group_size", [32, 16])
+GROUPS = [(32, False), (16, False), (32, True), (16, True)]
+GROUP_IDS = ["per-32", "per-16", "per-32-minimum", "per-16-minimum"]
+
+
+@pytest.mark.parametrize(("group_size", "minimum"), GROUPS, ids=GROUP_IDS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_int8_linear_is_the_exact_weights_product_within_its_inputs_rounding(dtype, group_size):
+def test_int8_linear_is_the_exact_weights_product_within_its_inputs_rounding(
+    dtype, group_size, minimum
+):
     """1000 rows: the last of 63 tiles of 16 is padded with zero rows."""
-    groups = _groups(1000, 576, group_size)
+    groups = _groups(1000, 576, group_size, minimum)
     x = _bf16(3, 576, seed=4).to(dtype)
     if dtype == torch.float32:
         x = x + torch.randn(3, 576, generator=torch.Generator().manual_seed(5)) * 1e-3
@@ -101,14 +115,14 @@ def test_int8_products_equal_the_machine_levels_bit_for_bit(at_level):
         native = cpu_ops.build()
     assert native is not None
     x = _bf16(3, 576, seed=8)
-    for group_size in (32, 16):
-        packed = pack_int8(_groups(1000, 576, group_size))
+    for group_size, minimum in GROUPS:
+        packed = pack_int8(_groups(1000, 576, group_size, minimum))
         assert torch.equal(OPS.int8_linear(x, *packed), native.int8_linear(x, *packed))
 
 
-@pytest.mark.parametrize("group_size", [32, 16])
-def test_int8_dequantize_is_the_weight_rounded_to_bf16(group_size):
-    groups = _groups(1000, 576, group_size)
+@pytest.mark.parametrize(("group_size", "minimum"), GROUPS, ids=GROUP_IDS)
+def test_int8_dequantize_is_the_weight_rounded_to_bf16(group_size, minimum):
+    groups = _groups(1000, 576, group_size, minimum)
     got = OPS.int8_dequantize(*pack_int8(groups))
     assert got.dtype == torch.bfloat16 and got.shape == (1008, 576)  # 63 tiles of 16
     assert torch.equal(got[:1000], groups.dequantize().bfloat16())
@@ -128,11 +142,11 @@ def test_a_weight_of_many_tiles_packs_in_blocks_and_unpacks_to_its_values():
 
 
 def test_projections_of_mixed_group_sizes_fuse_on_the_finer():
-    """A fused projection of Q8_0 and Q6_K parts (a Q4_K_M file's q, k and v) keeps each
-    part's exact weights, on a scale per 16."""
-    parts = [_groups(32, 64, 32), _groups(16, 64, 16)]
+    """A fused projection of Q5_K and Q6_K parts (a Q5_K_M file's q, k and v) keeps each
+    part's exact weights, on a scale per 16 and minimums (zero for the Q6_K part)."""
+    parts = [_groups(32, 64, 32, minimum=True), _groups(16, 64, 16)]
     fused = Int8Groups.cat(parts)
-    assert fused.group_size == 16
+    assert fused.group_size == 16 and fused.minimum is not None
     assert torch.equal(fused.dequantize(), torch.cat([g.dequantize() for g in parts]))
 
 

@@ -396,14 +396,15 @@ def test_k_quants_match_an_independent_dequantizer(tmp_path, qtype):
 
 @pytest.mark.parametrize(
     ("qtype", "kind", "group_size"),
-    [(T.Q4_K, "int4", 32), (T.Q6_K, "int8", 16)],
-    ids=["Q4_K", "Q6_K"],
+    [(T.Q4_K, "int4", 32), (T.Q5_K, "int8", 32), (T.Q6_K, "int8", 16)],
+    ids=["Q4_K", "Q5_K", "Q6_K"],
 )
 def test_k_quant_groups_reproduce_the_gguf_dequantization_exactly(
     tmp_path, qtype, kind, group_size
 ):
-    """Q4_K's sub-blocks are 4-bit groups of 32 (scale d * sc, minimum -dmin * m) and Q6_K's
-    are int8 groups of 16 (scale d * sc, values -32..31): gguf's own values, bit for bit."""
+    """Q4_K's sub-blocks are 4-bit groups of 32 (scale d * sc, minimum -dmin * m), Q5_K's int8
+    groups of 32 (the same scale and minimum, values 0..31) and Q6_K's int8 groups of 16
+    (scale d * sc, values -32..31): gguf's own values, bit for bit."""
     rng = np.random.default_rng(2)
     tensors = {}
     for name, shape in tensor_table("llama").values():
@@ -425,13 +426,16 @@ def test_k_quant_groups_reproduce_the_gguf_dequantization_exactly(
         assert torch.equal(rebuilt, weights.tensors[hf]), hf
         raw = in_file[GGUF_NAMES[hf]].data
         assert np.array_equal(to_gguf_rows(hf, rebuilt.numpy(), "llama"), dequantize(raw, qtype))
-        if kind == "int8":
+        if qtype == T.Q6_K:
             assert -32 <= int(groups.q.min()) and int(groups.q.max()) <= 31
+        if qtype == T.Q5_K:
+            assert 0 <= int(groups.q.min()) and int(groups.q.max()) <= 31
 
 
-@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
 def test_int8_groups_reproduce_the_gguf_dequantization_exactly(tmp_path, qtype):
-    """Q5_0's 5-bit values less 16 fit int8 as Q8_0's do: the same groups, exact."""
+    """Q5_0's 5-bit values less 16 fit int8 as Q8_0's do, and Q5_1's 0..31 with their
+    minimum: the same groups, exact."""
     hf = random_model()
     path = write_model(tmp_path / "m.gguf", hf, weight_type=qtype)
     weights = load_gguf(path)
@@ -451,6 +455,7 @@ def test_int8_groups_reproduce_the_gguf_dequantization_exactly(tmp_path, qtype):
         assert np.array_equal(to_gguf_rows(name, rebuilt.numpy(), "llama"), dequantize(raw, qtype))
         if qtype == T.Q5_0:
             assert -16 <= int(groups.q.min()) and int(groups.q.max()) <= 15
+        assert (groups.minimum is not None) == (qtype == T.Q5_1)
 
 
 def test_int8_layers_run_q5_0_and_q8_0_weights_close_to_their_exact_values(tmp_path):
@@ -824,8 +829,9 @@ def test_a_model_name_never_carries_terminal_controls(tmp_path):
 MIXES = {
     # every matrix one type
     **{t.name: {"": t} for t in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q6_K, T.F16)},
-    # llama.cpp's Q4_K_M: v, down and the output layer Q6_K (fused q, k, v mix the two)
+    # llama.cpp's Q4_K_M and Q5_K_M: v, down and the output layer Q6_K (fused q, k, v mix)
     "Q4_K_M": {"": T.Q4_K, "attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K},
+    "Q5_K_M": {"": T.Q5_K, "attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K},
     # Qwen2.5-Coder-0.5B's: Q5_0 with Q8_0 v and output, Q4_K / Q6_K down
     "qwen": {"": T.Q5_0, "attn_v": T.Q8_0, "output": T.Q8_0, "blk.0.ffn_down": T.Q4_K},
 }
@@ -868,20 +874,29 @@ def test_the_weights_plan_is_what_the_model_holds(tmp_path, mix, arch, tied):
             assert [p.format for p in model.layers[0].qkv.parts] == ["int4", "int8"]
 
 
-def test_a_projection_of_int4_and_int8_parts_runs_each_on_its_groups(tmp_path):
-    """A Q4_K_M-like model in bf16 (q and k Q4_K, v and down Q6_K): the fused q, k and v run
-    as an int4 layer beside an int8 one, and the logits of a prompt pass and decode steps stay
-    within bf16's reach of the fp32 model on the exact weights."""
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M"])
+def test_k_quant_mixes_run_on_their_groups_close_to_their_exact_weights(tmp_path, mix):
+    """Q4_K_M-like (q and k Q4_K, v and down Q6_K): the fused q, k and v run as an int4 layer
+    beside an int8 one. Q5_K_M-like: one int8 layer with a scale per 16 and minimums. The
+    logits of a prompt pass and decode steps stay within bf16's reach of the fp32 model on
+    the exact weights."""
     from kvchat.core import cpu_ops
     from kvchat.core.linear import ConcatLinear
     from kvchat.core.model import Transformer
 
     if cpu_ops.load() is None:
         pytest.skip("no C++ compiler: the int4 and int8 products are not built")
-    path = _mixed_model(tmp_path / "m.gguf", "qwen2", MIXES["Q4_K_M"], tied=False)
+    path = _mixed_model(tmp_path / "m.gguf", "qwen2", MIXES[mix], tied=False)
     model = Transformer(load_gguf(path), dtype=torch.bfloat16, weight_format="int4")
     exact = Transformer(load_gguf(path), dtype=torch.float32, weight_format="dense")
-    assert all(isinstance(layer.qkv, ConcatLinear) for layer in model.layers)
+    if mix == "Q4_K_M":
+        assert all(isinstance(layer.qkv, ConcatLinear) for layer in model.layers)
+    else:
+        assert all(
+            layer.qkv.minimum is not None and layer.qkv.scale.shape[1] == 2 * 256 // 32
+            for layer in model.layers
+        )
+        assert set(model.bytes_by_format()) == {"int8", "bfloat16"}
     _assert_close_to_exact(model, exact)
 
 
