@@ -19,6 +19,7 @@ from kvchat.kv.backend import AttentionBackend
 from kvchat.kv.sparse import CacheGeometry
 
 from . import cpu_ops
+from .embedding import DenseTable, Int4Table, Int8Table, TokenTable, grouped_table
 from .int4_layer import Int4DecodeLayer
 from .linear import (
     ConcatLinear,
@@ -148,7 +149,22 @@ class Transformer:
         # come before the layers are held, not on top of them (Qwen2.5-0.5B's Q8_0 output
         # layer: 0.15 GiB of groups beside its packed copy).
         h, d = cfg.hidden_size, cfg.head_dim
-        self.embed = tensor("model.embed_tokens.weight", (cfg.vocab_size, h), dtype)
+        embed = "model.embed_tokens.weight"
+        check(embed, (cfg.vocab_size, h))
+        grouped = grouped_table(
+            cfg.tie_word_embeddings,
+            self.device,
+            weight_format,
+            embed in weights.int4,
+            embed in weights.int8,
+        )
+        self.embed: TokenTable
+        if grouped == "int4":
+            self.embed = Int4Table(weights.int4[embed], dtype)
+        elif grouped == "int8":
+            self.embed = Int8Table(weights.int8[embed], dtype)
+        else:
+            self.embed = DenseTable(tensor(embed, (cfg.vocab_size, h), dtype))
         self.norm = vec("model.norm.weight", h)
         self.lm_head: Linear
         # A tied head on the CPU shares the embedding table instead of holding a second copy
@@ -159,13 +175,13 @@ class Transformer:
         q8 = weight_format == "int4" and ops is not None and f"{head}.weight" in weights.int8
         self._head_holds_embed = False  # counted in lm_head.nbytes, held once
         if q8:
-            table = self.embed if head_is_embed else None
+            table = self.embed.weight if head_is_embed else None  # type: ignore[attr-defined]
             # The groups are not kept in a local: they would be held through the layers.
             self.lm_head = Int8Linear(
                 weights.int8[f"{head}.weight"], None, ops, torch.float32, table
             )
         elif head_is_embed:
-            self.lm_head = DenseLinear(self.embed, None)
+            self.lm_head = DenseLinear(self.embed.weight, None)  # type: ignore[attr-defined]
             self._head_holds_embed = True
         else:
             self.lm_head = linear([head], [cfg.vocab_size], h, False)
@@ -225,9 +241,9 @@ class Transformer:
         vectors = [v for layer in self.layers for v in (layer.attn_norm, layer.mlp_norm)]
         return (
             sum(m.nbytes for m in linears)
-            + sum(v.numel() * v.element_size() for v in [*vectors, self.norm, self.embed])
+            + sum(v.numel() * v.element_size() for v in [*vectors, self.norm])
+            + (0 if self._head_holds_embed else self.embed.nbytes)
             + self.lm_head.nbytes
-            - (self.embed.numel() * self.embed.element_size() if self._head_holds_embed else 0)
         )
 
     def bytes_by_format(self) -> dict[str, int]:
@@ -237,7 +253,9 @@ class Transformer:
         for layer in [*self._projections(), self.lm_head]:
             for m in layer.parts if isinstance(layer, ConcatLinear) else [layer]:
                 held[m.format] = held.get(m.format, 0) + m.nbytes
-        # The rest: the embedding table (less the head's share of it) and the norms.
+        if not self._head_holds_embed:
+            held[self.embed.format] = held.get(self.embed.format, 0) + self.embed.nbytes
+        # The rest: the norms.
         dense = str(self.dtype).removeprefix("torch.")
         held[dense] = held.get(dense, 0) + self.nbytes - sum(held.values())
         return dict(sorted(held.items(), key=lambda item: -item[1]))
@@ -247,7 +265,7 @@ class Transformer:
         """Bytes of weights one decode step reads: every matrix and norm, one embedding row."""
         matrices = sum(m.read_bytes for m in self._projections())
         norms = len(self.layers) * 2 * self.cfg.hidden_size * self.dtype.itemsize
-        row = self.embed.shape[1] * self.embed.element_size()
+        row = self.embed.row_bytes
         head = self.lm_head.read_bytes + self.norm.numel() * self.norm.element_size()
         return matrices + norms + row + head
 
@@ -275,7 +293,7 @@ class Transformer:
         """
         cfg = self.cfg
         n = ids.shape[0]
-        x = F.embedding(ids, self.embed).to(self.device)
+        x = self.embed(ids).to(self.device)
         backend.begin(n)
         norm = self._rms_norm
         decode = self._decode_layers if n == 1 else None

@@ -9,6 +9,7 @@ from types import ModuleType
 
 import torch
 
+from .embedding import grouped_table, grouped_table_bytes
 from .gguf_loader import int4_scale_itemsize, int8_group_size, int8_has_minimum
 from .linear import LinearKind, linear_kind, part_runs, planned_bytes
 from .weights import ModelWeights
@@ -59,7 +60,24 @@ def planned_weights(
 
     h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q_out, kv_out = cfg.num_heads * d, cfg.num_kv_heads * d
-    add(None, cfg.vocab_size * h * item + (2 * cfg.num_layers + 1) * h * item)  # table, norms
+    add(None, (2 * cfg.num_layers + 1) * h * item)  # the norms
+    embed = "model.embed_tokens.weight"
+    types = [weights.file_types.get(embed, "")]
+    grouped = grouped_table(
+        cfg.tie_word_embeddings, device, weight_format, embed in weights.int4, embed in weights.int8
+    )
+    if grouped is None:
+        add(None, cfg.vocab_size * h * item)
+    else:
+        size = grouped_table_bytes(
+            grouped == "int4",
+            cfg.vocab_size,
+            h,
+            int8_group_size(types),
+            int4_scale_itemsize(types),
+            int8_has_minimum(types),
+        )
+        add(grouped, size)
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         linear(

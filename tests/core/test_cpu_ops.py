@@ -192,7 +192,7 @@ def test_the_bundled_model_reads_its_q8_0_head_as_stored(engine_fp32):
     got = model.lm_head(x)
     torch.testing.assert_close(got.double(), exact, rtol=0, atol=1e-4 * exact.abs().max())
     # The bf16 table's product (what the head was) is off by the table's rounding, >10x more.
-    rounded = model.embed.double()
+    rounded = model.embed.weight.double()
     assert (x.double() @ rounded.T - exact).abs().max() > 10 * (got.double() - exact).abs().max()
     plain = Transformer(weights, dtype=torch.bfloat16, weight_format="dense")
     assert isinstance(plain.lm_head, DenseLinear)

@@ -828,7 +828,10 @@ def test_a_model_name_never_carries_terminal_controls(tmp_path):
 
 MIXES = {
     # every matrix one type
-    **{t.name: {"": t} for t in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q6_K, T.F16)},
+    **{
+        t.name: {"": t}
+        for t in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.F16)
+    },
     # llama.cpp's Q4_K_M and Q5_K_M: v, down and the output layer Q6_K (fused q, k, v mix)
     "Q4_K_M": {"": T.Q4_K, "attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K},
     "Q5_K_M": {"": T.Q5_K, "attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K},
@@ -933,3 +936,21 @@ def test_a_model_that_cannot_fit_is_refused_before_a_tensor_is_read(fake_cgroups
     assert out.startswith("weights as they would load: int4 0.06 GiB")
     assert "host memory available now: 0.10 GiB" in out
     assert err.startswith("kvchat: error: ") and "usable now" in err
+
+
+@pytest.mark.parametrize("mix", ["Q4_0", "Q4_K", "Q5_0", "Q5_K", "Q6_K"])
+def test_an_untied_table_keeps_its_groups_and_looks_up_the_exact_rows(tmp_path, mix):
+    """bf16 on the CPU: the table of an untied model stays in the file's int4 or int8 groups,
+    and its rows are the exact weights rounded to bf16 once, as a bf16 matrix would hold."""
+    from kvchat.core.embedding import Int4Table, Int8Table
+    from kvchat.core.model import Transformer
+
+    path = _mixed_model(tmp_path / "m.gguf", "qwen2", MIXES[mix], tied=False)
+    weights = load_gguf(path)
+    model = Transformer(weights, dtype=torch.bfloat16, weight_format="int4")
+    int4 = mix.startswith("Q4")
+    assert isinstance(model.embed, Int4Table if int4 else Int8Table)
+    ids = torch.tensor([5, 0, 31, 5, 17])
+    want = weights.tensors["model.embed_tokens.weight"][ids].bfloat16()
+    assert torch.equal(model.embed(ids), want)
+    assert model.embed.nbytes < VOCAB * HIDDEN * (0.8 if int4 else 1.3)
