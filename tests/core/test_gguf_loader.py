@@ -396,15 +396,22 @@ def test_k_quants_match_an_independent_dequantizer(tmp_path, qtype):
 
 @pytest.mark.parametrize(
     ("qtype", "kind", "group_size"),
-    [(T.Q4_K, "int4", 32), (T.Q5_K, "int8", 32), (T.Q6_K, "int8", 16)],
-    ids=["Q4_K", "Q5_K", "Q6_K"],
+    [
+        (T.Q2_K, "int8", 16),
+        (T.Q3_K, "int8", 16),
+        (T.Q4_K, "int4", 32),
+        (T.Q5_K, "int8", 32),
+        (T.Q6_K, "int8", 16),
+    ],
+    ids=["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"],
 )
 def test_k_quant_groups_reproduce_the_gguf_dequantization_exactly(
     tmp_path, qtype, kind, group_size
 ):
     """Q4_K's sub-blocks are 4-bit groups of 32 (scale d * sc, minimum -dmin * m), Q5_K's int8
-    groups of 32 (the same scale and minimum, values 0..31) and Q6_K's int8 groups of 16
-    (scale d * sc, values -32..31): gguf's own values, bit for bit."""
+    groups of 32 (the same scale and minimum, values 0..31), Q6_K's and Q3_K's int8 groups of
+    16 (scale d * sc, values -32..31 and -4..3) and Q2_K's int8 groups of 16 with minimums
+    (values 0..3): gguf's own values, bit for bit."""
     rng = np.random.default_rng(2)
     tensors = {}
     for name, shape in tensor_table("llama").values():
@@ -426,10 +433,9 @@ def test_k_quant_groups_reproduce_the_gguf_dequantization_exactly(
         assert torch.equal(rebuilt, weights.tensors[hf]), hf
         raw = in_file[GGUF_NAMES[hf]].data
         assert np.array_equal(to_gguf_rows(hf, rebuilt.numpy(), "llama"), dequantize(raw, qtype))
-        if qtype == T.Q6_K:
-            assert -32 <= int(groups.q.min()) and int(groups.q.max()) <= 31
-        if qtype == T.Q5_K:
-            assert 0 <= int(groups.q.min()) and int(groups.q.max()) <= 31
+        low, high = {T.Q5_K: (0, 31), T.Q3_K: (-4, 3), T.Q2_K: (0, 3)}.get(qtype, (-32, 31))
+        if kind == "int8":
+            assert low <= int(groups.q.min()) and int(groups.q.max()) <= high
 
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
@@ -828,10 +834,7 @@ def test_a_model_name_never_carries_terminal_controls(tmp_path):
 
 MIXES = {
     # every matrix one type
-    **{
-        t.name: {"": t}
-        for t in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, T.Q4_K, T.Q5_K, T.Q6_K, T.F16)
-    },
+    **{t.name: {"": t} for t in (T.Q4_0, T.Q4_1, T.Q8_0, T.Q5_0, T.Q5_1, *K_QUANTS, T.F16)},
     # llama.cpp's Q4_K_M and Q5_K_M: v, down and the output layer Q6_K (fused q, k, v mix)
     "Q4_K_M": {"": T.Q4_K, "attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K},
     "Q5_K_M": {"": T.Q5_K, "attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K},
