@@ -119,7 +119,11 @@ def check_model_fits(
             f"{cfg.name or cfg.architecture} needs {gib(total)} for its weights as loaded "
             f"({weights_line(weights)}) and {gib(p.needed_bytes)} for a first {n:,}-token "
             f"context, but only {gib(p.usable_bytes)} of memory is usable now; free memory or "
-            "choose a smaller model or a lower-bit quantization of it",
+            + (
+                "run it in bfloat16 (model.dtype: auto), which keeps the file's quantized layers"
+                if itemsize == 4
+                else "choose a smaller model or a lower-bit quantization of it"
+            ),
             cfg,
             weights,
             itemsize,
