@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from .int4_layer import narrowed_scales
 from .weights import GROUP_SIZE, Int4Groups, Int8Groups
 
 
@@ -47,7 +48,7 @@ class Int4Table:
     def __init__(self, groups: Int4Groups, dtype: torch.dtype) -> None:
         q = groups.q
         self.packed = q[:, 0::2] | (q[:, 1::2] << 4)
-        self.scale, self.minimum = _narrowed(groups.scale), _narrowed(groups.minimum)
+        self.scale, self.minimum = narrowed_scales(groups.scale, groups.minimum)
         self.dtype = dtype
         self.nbytes = sum(_nbytes(t) for t in (self.packed, self.scale, self.minimum))
         self.row_bytes = self.nbytes // q.shape[0]
@@ -97,11 +98,6 @@ def grouped_table_bytes(
     if int4:
         return vocab * hidden // 2 + 2 * groups * scale_itemsize
     return vocab * hidden + groups * 4 * (2 if minimum else 1)
-
-
-def _narrowed(t: torch.Tensor) -> torch.Tensor:
-    half = t.half()
-    return half if torch.equal(half.float(), t) else t
 
 
 def _nbytes(t: torch.Tensor) -> int:

@@ -47,6 +47,17 @@ class Int4Pack:
         return sum(t.numel() * t.element_size() for t in self.parts)
 
 
+def narrowed_scales(
+    scale: torch.Tensor, minimum: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Int4 groups' scales and minimums in fp16 where fp16 holds both exactly (Q4_0, Q4_1),
+    else as they are (fp32: Q4_K's d * sc and dmin * m)."""
+    half_scale, half_minimum = scale.half(), minimum.half()
+    if torch.equal(half_scale.float(), scale) and torch.equal(half_minimum.float(), minimum):
+        return half_scale, half_minimum
+    return scale, minimum
+
+
 def pack_int4(groups: Int4Groups) -> Int4Pack | None:
     """`groups` in int4_layer.cpp's layout, or None where it does not apply (N not a multiple
     of 16). Scales and minimums stay fp16 where fp16 holds them exactly, else fp32."""
@@ -54,9 +65,7 @@ def pack_int4(groups: Int4Groups) -> Int4Pack | None:
     n, k = q.shape
     if n % 16 or k % GROUP_SIZE:
         return None
-    half_scale, half_minimum = scale.half(), minimum.half()
-    if torch.equal(half_scale.float(), scale) and torch.equal(half_minimum.float(), minimum):
-        scale, minimum = half_scale, half_minimum
+    scale, minimum = narrowed_scales(scale, minimum)
     tiles, n_groups = n // 16, k // GROUP_SIZE
     # [tile, row, group, chunk, low/high, j] -> [tile, group, chunk, row, j, low/high]
     q = q.view(tiles, 16, n_groups, 4, 2, 4).permute(0, 2, 3, 1, 5, 4)
