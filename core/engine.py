@@ -553,7 +553,7 @@ class Engine:
                 weights.config, settings.long_context, dtype.itemsize, held, process_rss()
             )
         model = Transformer(weights, dtype=dtype, device=device, weight_format=weight_format)
-        del weights  # the loader's fp32 copies; the model holds its own format
+        del weights  # the file's reader and metadata; the model holds its own format
         gc.collect()
         release_freed_memory()
         tokenizer = load_tokenizer(source)

@@ -259,9 +259,23 @@ class ConcatLinear:
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-def part_runs(kinds: list[LinearKind]) -> list[slice]:
-    """The runs of consecutive parts of a fused projection whose layers would be of one kind
-    (`kinds`: linear_kind of each part alone): one layer each."""
+def part_runs(
+    out_sizes: list[int],
+    in_features: int,
+    int4: list[bool],
+    int8: list[bool],
+    weight_format: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    ops: ModuleType | None,
+) -> list[slice]:
+    """The runs of consecutive parts of a fused projection (`out_sizes` rows each; `int4`,
+    `int8`: whether each has those groups) whose layers would be of one kind (linear_kind of
+    each part alone): one layer each."""
+    kinds = [
+        linear_kind(out, in_features, i4, i8, weight_format, dtype, device, ops)
+        for out, i4, i8 in zip(out_sizes, int4, int8, strict=True)
+    ]
     runs: list[slice] = []
     start = 0
     for i in range(1, len(kinds) + 1):

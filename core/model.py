@@ -27,7 +27,6 @@ from .linear import (
     Int8Linear,
     Linear,
     PackedInt4Linear,
-    linear_kind,
     make_linear,
     part_runs,
 )
@@ -122,12 +121,9 @@ class Transformer:
             keys = list(shapes)
             int4 = [key in weights.int4 for key in keys]
             int8 = [key in weights.int8 for key in keys]
-            kinds = [
-                linear_kind(o, in_size, i4, i8, weight_format, dtype, self.device, ops)
-                for o, i4, i8 in zip(out_sizes, int4, int8, strict=True)
-            ]
             parts = []
-            for run in part_runs(kinds):
+            runs = part_runs(out_sizes, in_size, int4, int8, weight_format, dtype, self.device, ops)
+            for run in runs:
                 start, out = sum(out_sizes[: run.start]), sum(out_sizes[run])
                 parts.append(
                     make_linear(

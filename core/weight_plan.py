@@ -35,11 +35,8 @@ def planned_weights(
         keys = [f"{name}.weight" for name in names]
         int4 = [key in weights.int4 for key in keys]
         int8 = [key in weights.int8 for key in keys]
-        kinds = [
-            linear_kind(o, in_size, i4, i8, weight_format, dtype, device, ops)
-            for o, i4, i8 in zip(out_sizes, int4, int8, strict=True)
-        ]
-        for run in part_runs(kinds):  # as Transformer builds them
+        runs = part_runs(out_sizes, in_size, int4, int8, weight_format, dtype, device, ops)
+        for run in runs:  # as Transformer builds them
             out = sum(out_sizes[run])
             kind = linear_kind(
                 out, in_size, int4[run.start], int8[run.start], weight_format, dtype, device, ops
