@@ -96,15 +96,17 @@ class Rope:
         return _base_inv_freq(base, self.dim)
 
     def cos_sin(
-        self, start: int, length: int, dtype: torch.dtype
+        self, start: int, length: int, dtype: torch.dtype, device: torch.device | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Tables for positions start..start+length, shaped [length, head_dim]."""
+        """Tables for positions start..start+length, shaped [length, head_dim], on `device`
+        (default: the model's)."""
+        device = self.device if device is None else device
         inv_freq = self.inv_freq
         if self.cfg.rope_scaling.rope_type == "dynamic":
             inv_freq = self._dynamic_inv_freq(start + length)
         t = torch.arange(start, start + length, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq.double())
         emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.attention_factor).to(device=self.device, dtype=dtype)
-        sin = (emb.sin() * self.attention_factor).to(device=self.device, dtype=dtype)
+        cos = (emb.cos() * self.attention_factor).to(device=device, dtype=dtype)
+        sin = (emb.sin() * self.attention_factor).to(device=device, dtype=dtype)
         return cos, sin

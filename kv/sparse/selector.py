@@ -27,6 +27,8 @@ if TYPE_CHECKING:
     from .cache import SparseBackend
 
 Rank = Callable[[LayerState, torch.Tensor], torch.Tensor]
+# Pins are voted where the block store is, whatever device the model computes on.
+HOST = torch.device("cpu")
 
 
 class BlockSelector:
@@ -41,11 +43,9 @@ class BlockSelector:
         # The vote's products: bf16 where the CPU multiplies it in hardware; native positions
         # rotate the keys back in fp32 first.
         dtype = cache.geom.dtype
-        exact = cache.position_mode == PositionMode.NATIVE or widened_products(
-            torch.device("cpu"), dtype
-        )
+        exact = cache.position_mode == PositionMode.NATIVE or widened_products(HOST, dtype)
         self.vote_dtype = torch.float32 if exact else dtype
-        self.vote_table = cache.rope.cos_sin(cache.window, 1, torch.float32)
+        self.vote_table = cache.rope.cos_sin(cache.window, 1, torch.float32, HOST)
 
     def reset(self) -> None:
         """The cache no longer holds what selections, votes and pins were made over."""
@@ -170,7 +170,7 @@ class BlockSelector:
                 keys = keys.view(n_kv, -1, cache.geom.head_dim)
             if cache.position_mode == PositionMode.EXTRAPOLATE:
                 return keys
-            cos, sin = cache.rope.cos_sin(lo * block, (hi - lo) * block, torch.float32)
+            cos, sin = cache.rope.cos_sin(lo * block, (hi - lo) * block, torch.float32, HOST)
             return rotate(keys.float(), cos, -sin)
 
         return read

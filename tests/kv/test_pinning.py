@@ -46,24 +46,33 @@ def test_pick_takes_the_top_votes_and_the_blocks_after_them():
 PROMPT, CHUNK, B, D = 700, 64, 32, 32
 
 
-def _cache(settings) -> SparseBackend:
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    ),
+]
+
+
+def _cache(settings, device: str = "cpu") -> SparseBackend:
     """One layer, two query heads over one KV head, positions that rotate nothing."""
     return SparseBackend(
-        CacheGeometry(1, 2, 1, D, torch.float32, torch.device("cpu"), 4096, 4096),
-        NoRotation(),
+        CacheGeometry(1, 2, 1, D, torch.float32, torch.device(device), 4096, 4096),
+        NoRotation(device),
         settings,
         "native",
     )
 
 
-def _planted_cache(pinned_blocks: int) -> tuple[SparseBackend, torch.Tensor]:
+def _planted_cache(pinned_blocks: int, device: str = "cpu") -> tuple[SparseBackend, torch.Tensor]:
     """One layer whose prompt plants `needle` in the keys of block 5 and ends with queries
     along it (a question that names the block); the decode query points elsewhere."""
     gen = torch.Generator().manual_seed(3)
     settings = small_settings(
         second_select_num=4, pinned_blocks=pinned_blocks, dense_layer_num=0, chunk_size=CHUNK
     )
-    cache = _cache(settings)
+    cache = _cache(settings, device)
     needle = torch.randn(D, generator=gen)
     needle = 4 * needle / needle.norm()
     keys = 0.1 * torch.randn(1, PROMPT, D, generator=gen)
@@ -73,18 +82,22 @@ def _planted_cache(pinned_blocks: int) -> tuple[SparseBackend, torch.Tensor]:
         q = 0.1 * torch.randn(2, n, D, generator=gen)
         if start + n == PROMPT:
             q[:, -8:] += needle  # the prompt's last queries ask for the needle
+        v = torch.randn(1, n, D, generator=gen)
         cache.begin(n)
-        cache.attend(0, q, keys[:, start : start + n], torch.randn(1, n, D, generator=gen))
+        cache.attend(0, *(t.to(device) for t in (q, keys[:, start : start + n], v)))
         cache.commit()
     return cache, needle
 
 
+# On a GPU the vote runs on the host, beside the block store, with host tables.
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pinned_blocks", [0, 1])
-def test_a_block_the_question_names_is_read_by_the_answer(pinned_blocks):
-    cache, needle = _planted_cache(pinned_blocks)
+def test_a_block_the_question_names_is_read_by_the_answer(pinned_blocks, device):
+    cache, needle = _planted_cache(pinned_blocks, device)
     elsewhere = -needle  # the answer's query alone would rank block 5 last
+    q, zero = elsewhere.expand(2, 1, D).to(device), torch.zeros(1, 1, D, device=device)
     cache.begin(1)
-    cache.attend(0, elsewhere.expand(2, 1, D), torch.zeros(1, 1, D), torch.zeros(1, 1, D))
+    cache.attend(0, q, zero, zero)
     cache.commit()
     selected = cache.stats().layers[0].selected
     assert (5 in selected) == (pinned_blocks > 0)

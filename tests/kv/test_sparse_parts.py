@@ -78,10 +78,16 @@ def test_anchors_that_are_key_values_stay_in_the_keys_dtype(anchor_type, stored)
 
 
 class NoRotation:
-    """Positions that do not rotate anything, so planted keys keep their direction."""
+    """Positions that do not rotate anything, so planted keys keep their direction; the
+    tables are made on `device` unless a caller asks for another, as core/rope.py's are."""
 
-    def cos_sin(self, start: int, length: int, dtype: torch.dtype):
-        return torch.ones(length, 32, dtype=dtype), torch.zeros(length, 32, dtype=dtype)
+    def __init__(self, device: torch.device | str = "cpu") -> None:
+        self.device = torch.device(device)
+
+    def cos_sin(self, start: int, length: int, dtype: torch.dtype, device=None):
+        device = self.device if device is None else device
+        ones = torch.ones(length, 32, dtype=dtype, device=device)
+        return ones, torch.zeros_like(ones)
 
 
 @pytest.mark.parametrize("anchor_type", ["DYNAMIC", "FIXED", "BLOCK_MEAN", "BLOCK_MAX", "QUEST"])
