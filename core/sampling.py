@@ -42,5 +42,6 @@ def sample_next(
         # Drop a token when the tokens before it already reach top_p; the first always stays.
         drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= params.top_p
         logits = logits.masked_fill(drop.scatter(0, order, drop), float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
+    # Drawn on the host with the host generator: a seed gives the same draw on every device.
+    probs = torch.softmax(logits, dim=-1).cpu()
     return int(torch.multinomial(probs, 1, generator=generator))

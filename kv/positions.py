@@ -13,9 +13,10 @@ import torch
 
 class RopeTables(Protocol):
     def cos_sin(
-        self, start: int, length: int, dtype: torch.dtype
+        self, start: int, length: int, dtype: torch.dtype, device: torch.device | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin for positions start .. start+length, each [length, head_dim]."""
+        """cos and sin for positions start .. start+length, each [length, head_dim], on
+        `device` (default: the model's)."""
         ...
 
 

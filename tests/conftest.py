@@ -64,6 +64,21 @@ def twice_source(tmp_path, monkeypatch):
     return source
 
 
+@pytest.fixture(
+    params=[
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+        ),
+    ]
+)
+def device(request) -> str:
+    """The CPU, and a CUDA GPU where there is one: code whose tensors live on both the host
+    and the compute device mixes them up only where the two differ."""
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def smollm_path():
     from kvchat.core.weights import resolve_model_path

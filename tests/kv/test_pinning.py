@@ -46,15 +46,6 @@ def test_pick_takes_the_top_votes_and_the_blocks_after_them():
 PROMPT, CHUNK, B, D = 700, 64, 32, 32
 
 
-DEVICES = [
-    "cpu",
-    pytest.param(
-        "cuda",
-        marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
-    ),
-]
-
-
 def _cache(settings, device: str = "cpu") -> SparseBackend:
     """One layer, two query heads over one KV head, positions that rotate nothing."""
     return SparseBackend(
@@ -90,7 +81,6 @@ def _planted_cache(pinned_blocks: int, device: str = "cpu") -> tuple[SparseBacke
 
 
 # On a GPU the vote runs on the host, beside the block store, with host tables.
-@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("pinned_blocks", [0, 1])
 def test_a_block_the_question_names_is_read_by_the_answer(pinned_blocks, device):
     cache, needle = _planted_cache(pinned_blocks, device)
