@@ -74,7 +74,7 @@ def needle_blocks(engine: Engine, document: str, needles: Sequence[str]) -> list
     block = engine.settings.long_context.block_size
     prefix = engine.session.conversation.document_prefix_length(tokenizer)
     return [
-        (prefix + len(tokenizer.encode(document[: document.index(needle)]))) // block
+        (prefix + len(tokenizer.encode_long(document[: document.index(needle)]))) // block
         for needle in needles
     ]
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 
 from kvchat.config import AttentionMode, KvType, LongContextSettings
 from kvchat.kv.anchors import anchor_itemsize, anchor_rows
+from kvchat.kv.pinning import gathered_blocks
 from kvchat.kv.quant import bytes_per_token
 from kvchat.kv.sparse import window_capacity
 
@@ -175,10 +176,7 @@ def plan_memory(
     # Window keys (twice in extrapolate mode), values, attention received, sinks.
     window = layers * kv_heads * window_capacity(lc) * (3 * dim * itemsize + 4)
     sinks = layers * 2 * kv_heads * lc.block_size * dim * itemsize
-    gathered = (
-        lc.second_select_num if lc.dense_layer_num == 0 else max(lc.second_select_num, blocks)
-    )
-    gather = 2 * kv_heads * gathered * lc.block_size * dim * itemsize
+    gather = gather_bytes(lc, kv_heads, dim, n_tokens, itemsize)
     return MemoryPlan(
         n_tokens,
         AttentionMode.SPARSE,
@@ -192,6 +190,19 @@ def plan_memory(
         allocated_bytes,
         runtime_bytes,
     )
+
+
+def gather_bytes(
+    lc: LongContextSettings, n_kv_heads: int, head_dim: int, n_tokens: int, itemsize: int
+) -> int:
+    """The host buffers stored blocks are gathered into, keys and values: a layer's selection,
+    every block for dense layers, and a question's vote over the stored keys."""
+    blocks = -(-n_tokens // lc.block_size)
+    selected = lc.second_select_num
+    if lc.dense_layer_num > 0:
+        selected = max(selected, blocks)
+    gathered = max(selected, gathered_blocks(lc, blocks))
+    return 2 * n_kv_heads * gathered * lc.block_size * head_dim * itemsize
 
 
 def plan_table(

@@ -22,8 +22,10 @@ from collections.abc import Callable
 
 import torch
 
+from kvchat.config import KvType, LongContextSettings
+
 # Blocks whose keys one matmul reads: bounds the scores' memory ([heads x queries x keys]).
-_CHUNK_BLOCKS = 256
+VOTE_BLOCKS = 256
 
 KeyReader = Callable[[int, int], torch.Tensor]
 
@@ -41,8 +43,8 @@ def layer_shares(
     """
     n_heads, n_q, dim = q.shape
     parts = []
-    for lo in range(first, last, _CHUNK_BLOCKS):
-        hi = min(lo + _CHUNK_BLOCKS, last)
+    for lo in range(first, last, VOTE_BLOCKS):
+        hi = min(lo + VOTE_BLOCKS, last)
         keys = read_keys(lo, hi).to(dtype)
         n_kv = keys.shape[0]
         rows = q.to(dtype).reshape(n_kv, n_heads // n_kv * n_q, dim)
@@ -50,6 +52,20 @@ def layer_shares(
         parts.append(scores.unflatten(-1, (hi - lo, -1)).amax(dim=-1).float())
     best = torch.cat(parts, dim=-1) * (1 / math.sqrt(dim))
     return torch.softmax(best, dim=-1).flatten(0, 1).amax(dim=0)
+
+
+def pin_count(lc: LongContextSettings) -> int:
+    """Blocks to pin: each brings the block after it, and together they take at most the
+    budget's half, so the query of each step still chooses the rest."""
+    return min(lc.pinned_blocks, lc.second_select_num // 4)
+
+
+def gathered_blocks(lc: LongContextSettings, n_blocks: int) -> int:
+    """Blocks (per KV head) whose keys a vote over `n_blocks` stored blocks gathers at once:
+    none where no pins are voted or the keys are read in place (FP16)."""
+    if pin_count(lc) == 0 or lc.kv_type == KvType.FP16:
+        return 0
+    return min(VOTE_BLOCKS, n_blocks)
 
 
 def pick(votes: torch.Tensor, first: int, count: int, last: int) -> torch.Tensor:

@@ -150,10 +150,7 @@ class BlockSelector:
         self.pinned, self.votes = torch.empty(0, dtype=torch.long), None
 
     def pin_count(self) -> int:
-        """Blocks to pin: each brings the block after it, and together they take at most the
-        budget's half, so the query of each step still chooses the rest."""
-        lc = self.cache.lc
-        return min(lc.pinned_blocks, lc.second_select_num // 4)
+        return pinning.pin_count(self.cache.lc)
 
     def key_reader(self, st: LayerState) -> pinning.KeyReader:
         """Unrotated keys of blocks lo..hi-1, [n_kv, (hi - lo) * block, D]: read in place

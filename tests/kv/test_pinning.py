@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from kvchat.core.plan import gather_bytes
 from kvchat.kv import pinning
 from kvchat.kv.sparse import CacheGeometry, SparseBackend
 
@@ -56,12 +57,18 @@ def _cache(settings, device: str = "cpu") -> SparseBackend:
     )
 
 
-def _planted_cache(pinned_blocks: int, device: str = "cpu") -> tuple[SparseBackend, torch.Tensor]:
+def _planted_cache(
+    pinned_blocks: int, device: str = "cpu", kv_type: str = "FP16"
+) -> tuple[SparseBackend, torch.Tensor]:
     """One layer whose prompt plants `needle` in the keys of block 5 and ends with queries
     along it (a question that names the block); the decode query points elsewhere."""
     gen = torch.Generator().manual_seed(3)
     settings = small_settings(
-        second_select_num=4, pinned_blocks=pinned_blocks, dense_layer_num=0, chunk_size=CHUNK
+        second_select_num=4,
+        pinned_blocks=pinned_blocks,
+        dense_layer_num=0,
+        chunk_size=CHUNK,
+        kv_type=kv_type,
     )
     cache = _cache(settings, device)
     needle = torch.randn(D, generator=gen)
@@ -94,6 +101,15 @@ def test_a_block_the_question_names_is_read_by_the_answer(pinned_blocks, device)
     if pinned_blocks:
         assert cache.selector.pinned.tolist() == [5, 6]  # the block and the one after it
         assert len(selected) == 4  # inside second_select_num
+
+
+def test_the_plan_holds_the_keys_a_vote_gathers():
+    # Quantized keys are dequantized into the gather buffer for the vote, more blocks at once
+    # than a selection reads.
+    cache, _ = _planted_cache(1, kv_type="INT8")
+    assert cache.selector.pinned.tolist() == [5, 6]
+    planned = gather_bytes(cache.lc, 1, D, PROMPT, torch.float32.itemsize)
+    assert 2 * 4 * B * D * 4 < cache.gather_bytes() <= planned
 
 
 def test_pins_take_at_most_half_the_budget():

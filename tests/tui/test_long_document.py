@@ -1,4 +1,4 @@
-"""Issue 4, acceptance 2: the app keeps handling keys while a 200K-token file is tokenized and
+"""The app keeps handling keys while a 200K-token file is tokenized and
 prefilled in its worker, and Esc stops the prefill with the session still usable.
 
 The document is real text: Python's own standard library sources (~800K characters, ~210K
