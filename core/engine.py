@@ -175,6 +175,10 @@ class Session(Turns[Conversation]):
         self._built_with: LongContextSettings | None = None  # the settings of _cache
         self.tokens: list[int] = []
         self._logits: torch.Tensor | None = None  # logits after the last cached token
+        # The last synced prompt's length and the logits after it: a prompt asked again (a
+        # regenerated reply) samples from the same logits, not ones its last token recomputes
+        # through the one-token path, whose products round differently on some CPUs.
+        self._prompt_logits: tuple[int, torch.Tensor] | None = None
         self.last_prefill = PrefillReport()  # what the last sync computed, loaded, warned
 
     @property
@@ -201,7 +205,7 @@ class Session(Turns[Conversation]):
         self._cache = self.engine.new_cache(planned_tokens)
         self._built_with = self.engine.settings.long_context
         self.tokens = []
-        self._logits = None
+        self._logits = self._prompt_logits = None
 
     def drop_cache(self) -> None:
         """Let go of the cache and give its memory back to the OS before anything new is
@@ -211,7 +215,7 @@ class Session(Turns[Conversation]):
             return
         self._cache = None
         self.tokens = []
-        self._logits = None
+        self._logits = self._prompt_logits = None
         gc.collect()
         release_freed_memory()
 
@@ -314,23 +318,31 @@ class Session(Turns[Conversation]):
         """
         if not ids:
             raise ValueError("nothing to prefill: the prompt is empty")
+        if cancel is not None and cancel.is_set():  # a stop raises here, even with all cached
+            raise Cancelled("stopped before the prompt was prefilled")
         common = 0
         limit = min(len(ids), len(self.tokens))
         while common < limit and ids[common] == self.tokens[common]:
             common += 1
+        kept = self._prompt_logits
+        if common == len(ids) and kept is not None and kept[0] == len(ids):
+            self.truncate(len(ids))
+            self._logits = kept[1]
         if common == len(ids) == len(self.tokens) and self._logits is not None:
             self.last_prefill = PrefillReport()
+            self._prompt_logits = (len(ids), self._logits)
             return 0
         report = self.last_prefill = self._restore_snapshot(ids, common)
         # A snapshot replaces the cache; a failed attempt leaves it empty.
         common = len(self.tokens) if report.restored else min(common, len(self.tokens))
-        if report.restored is not None and common == len(ids):
-            return 0  # the snapshot holds every token, and their last logits
-        # The logits of the last prompt token are needed, so at least it is recomputed.
-        common = min(common, len(ids) - 1)
-        self.truncate(common)
-        self.extend(ids[common:], on_progress, cancel)
-        self.last_prefill = replace(report, prefilled=len(ids) - common)
+        if report.restored is None or common < len(ids):
+            # The logits of the last prompt token are needed, so at least it is recomputed.
+            common = min(common, len(ids) - 1)
+            self.truncate(common)
+            self.extend(ids[common:], on_progress, cancel)
+            self.last_prefill = replace(report, prefilled=len(ids) - common)
+        assert self._logits is not None
+        self._prompt_logits = (len(ids), self._logits)
         return len(ids) - common
 
     def _restore_snapshot(self, ids: Sequence[int], cached: int) -> PrefillReport:
@@ -412,6 +424,8 @@ class Session(Turns[Conversation]):
             self.cache.truncate(n_tokens)
             del self.tokens[n_tokens:]
             self._logits = None
+            if self._prompt_logits is not None and self._prompt_logits[0] > n_tokens:
+                self._prompt_logits = None
 
     def generate(
         self,

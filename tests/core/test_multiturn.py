@@ -77,7 +77,8 @@ def turn(session: Session, question: str) -> tuple[torch.Tensor, int]:
     prompt = session.conversation.prompt_ids(engine.tokenizer, question)
     session.prepare(len(prompt) + engine.settings.generation.max_new_tokens)
     prefilled = session.sync(prompt)
-    assert engine.stats().prefill_tokens == prefilled
+    if prefilled:  # the stats keep the last prefill that computed something
+        assert engine.stats().prefill_tokens == prefilled
     logits = session.logits.clone()
     answer = "".join(session.ask(question))
     assert answer.strip()
@@ -131,7 +132,7 @@ def test_regenerate_and_edits_truncate_to_the_common_prefix(
     prompt = conversation.prompt_ids(engine.tokenizer, QUESTIONS[1])
     assert len(session.tokens) > len(prompt)
     logits, prefilled = turn(session, QUESTIONS[1])
-    assert prefilled == 1  # only the prompt's last token, whose logits were gone
+    assert prefilled == 0  # the logits after the prompt were kept
     assert (logits - fresh_logits(engine, prompt)).abs().max().item() < TOL
 
     # Edit the first question: the document stays, everything after it is prefilled again.

@@ -30,8 +30,8 @@ def test_regenerate_answers_again_from_the_cached_prompt(engine):
     assert first and session.answer_count == 1
 
     again = "".join(session.regenerate())
-    # The cache held the prompt before the old reply: only its last token is prefilled.
-    assert engine.stats().prefill_tokens == 1
+    # The cache held the prompt before the old reply, and the logits after it.
+    assert session.last_prefill.prefilled == 0
     assert again == first and len(session.tokens) == cached
     assert session.messages == [
         {"role": "user", "content": QUESTION},
