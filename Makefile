@@ -41,7 +41,7 @@ ABOVE_AVX2 := from kvchat.native.cpu import CpuLevel, machine_level; \
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 	if $(PY) -c "$(ABOVE_AVX2)"; then \
 		KVCHAT_CPU_LEVEL=avx2 $(PY) -m pytest -q -p no:cacheprovider $(LEVEL_TESTS); fi
 

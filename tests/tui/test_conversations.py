@@ -182,9 +182,9 @@ async def test_regenerate_reuses_the_cache_up_to_the_reply(
 
         await pilot.press("ctrl+r")
         await wait_idle(pilot, app)
-        # Greedy decoding: the same reply again, after prefilling only the last prompt token
-        # (Session.sync cut the cache back to the prompt, which it still held).
-        assert first_prefill > 1 and engine.stats().prefill_tokens == 1
+        # Greedy decoding: the same reply again, prefilling nothing (Session.sync cut the
+        # cache back to the prompt, which it still held, with the logits after it).
+        assert first_prefill > 1 and engine.session.last_prefill.prefilled == 0
         assert [m.source for m in messages(app, "assistant")] == [answer]
         assert [m.source for m in messages(app, "user")] == [QUESTION]
         assert engine.session.conversation.messages == [
