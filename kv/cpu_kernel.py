@@ -3,7 +3,8 @@
 torch's small bf16 matmuls read a decode step's keys at ~8 GB/s (docs/performance.md) and its
 block selection is a dozen small ops per layer; the kernels read each key, value and anchor
 once, in place, and are what the block-sparse cache uses on the CPU (decode attention, block
-selection, and the rotary rotation of bf16 queries and keys). Where they cannot be built the
+selection, the rotary rotation of bf16 queries and keys, and the gather that dequantizes INT8
+and INT4 blocks). Where they cannot be built the
 cache keeps the torch path and says why once.
 """
 
@@ -28,6 +29,8 @@ SOURCES = [
         "rotate.cpp",
         "decode_layer.cpp",
         "block_lru.cpp",
+        "gather_blocks.cpp",
+        "block_max.cpp",
     )
 ]
 # How decode_attention's sets are stored (the kernel's Format).
@@ -155,6 +158,20 @@ def decode_layer(
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """kv.positions.rotate for bf16 x [..., T, D] and cos, sin [T, D], bit for bit, in one pass."""
     return _module().rotate(x, cos, sin)
+
+
+def gather_blocks(
+    storage: torch.Tensor, slots: torch.Tensor, out: torch.Tensor, kv_type: KvType
+) -> torch.Tensor:
+    """BlockPool.gather of an INT8 / INT4 pool's `storage` rows, bit for bit: the blocks at
+    `slots` (int64 [n]) dequantized into out[:n] (bf16 or fp32 [>= n, block, D]), returned."""
+    return _module().gather_blocks(storage, slots, out, _FORMATS[kv_type])
+
+
+def block_max(scores: torch.Tensor, block: int) -> torch.Tensor:
+    """scores [H, n * block, R] (bf16 or fp32) -> fp32 [H, n, R]: each block's largest row,
+    as torch's scores.unflatten(1, (n, block)).amax(2)."""
+    return _module().block_max(scores, block)
 
 
 def _module() -> ModuleType:

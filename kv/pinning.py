@@ -24,34 +24,49 @@ import torch
 
 from kvchat.config import KvType, LongContextSettings
 
-# Blocks whose keys one matmul reads: bounds the scores' memory ([heads x queries x keys]).
-VOTE_BLOCKS = 256
+# Blocks whose keys one matmul reads: bounds the scores' memory ([heads x keys x queries])
+# and keeps them in the cache for their reduction.
+VOTE_BLOCKS = 64
 
 KeyReader = Callable[[int, int], torch.Tensor]
+# scores [H, n * block, R] -> fp32 [H, n, R]: each block's best key per row.
+BlockMax = Callable[[torch.Tensor, int], torch.Tensor]
+
+
+def torch_block_max(scores: torch.Tensor, block: int) -> torch.Tensor:
+    return scores.unflatten(1, (-1, block)).amax(dim=2).float()
 
 
 def layer_shares(
-    q: torch.Tensor, read_keys: KeyReader, first: int, last: int, dtype: torch.dtype
+    q: torch.Tensor,
+    read_keys: KeyReader,
+    first: int,
+    last: int,
+    dtype: torch.dtype,
+    block_max: BlockMax = torch_block_max,
 ) -> torch.Tensor:
     """Per block of first..last-1, the largest share one (head, query) gives it.
 
     q: [n_heads, n_q, D] queries as they read stored keys; read_keys(lo, hi): the keys of
     blocks lo..hi-1, [n_kv, (hi - lo) * block, D]; dtype: of the products (the keys' bf16
-    where the CPU multiplies bf16 in hardware, else float32). A block's score for a (head,
-    query) is its best key's; each (head, query) softmaxes them over the blocks (a softmax
-    over every key costs an exp per key, 2.5x the products). Returns float32 [last - first].
+    where the CPU multiplies bf16 in hardware, else float32); block_max: the reduction of a
+    block's scores (the CPU kernel's where it is built). A block's score for a (head, query)
+    is its best key's; each (head, query) softmaxes them over the blocks (a softmax over
+    every key costs an exp per key, 2.5x the products). Returns float32 [last - first].
     """
     n_heads, n_q, dim = q.shape
+    rows = None
     parts = []
     for lo in range(first, last, VOTE_BLOCKS):
         hi = min(lo + VOTE_BLOCKS, last)
         keys = read_keys(lo, hi).to(dtype)
-        n_kv = keys.shape[0]
-        rows = q.to(dtype).reshape(n_kv, n_heads // n_kv * n_q, dim)
-        scores = torch.matmul(rows, keys.transpose(1, 2))
-        parts.append(scores.unflatten(-1, (hi - lo, -1)).amax(dim=-1).float())
-    best = torch.cat(parts, dim=-1) * (1 / math.sqrt(dim))
-    return torch.softmax(best, dim=-1).flatten(0, 1).amax(dim=0)
+        if rows is None:
+            n_kv = keys.shape[0]
+            rows = q.to(dtype).reshape(n_kv, n_heads // n_kv * n_q, dim).transpose(1, 2)
+        # Keys by queries: the orientation oneDNN's bf16 matmul runs fastest (AMX: 2x).
+        parts.append(block_max(torch.matmul(keys, rows), keys.shape[1] // (hi - lo)))
+    best = torch.cat(parts, dim=1) * (1 / math.sqrt(dim))
+    return torch.softmax(best, dim=1).amax(dim=(0, 2))
 
 
 def pin_count(lc: LongContextSettings) -> int:

@@ -42,6 +42,8 @@ import torch
 
 from kvchat.config.enums import KvType
 
+from . import cpu_kernel
+
 KV_TYPES = tuple(KvType)
 GROUP = 32
 
@@ -283,6 +285,14 @@ class BlockPool:
             shape, storage_dtype = (n_slots, block_size, head_dim), dtype
         else:
             shape, storage_dtype = (n_slots, self.bytes_per_slot), torch.uint8
+        # Quantized blocks on the host are dequantized by the CPU kernel where it is built.
+        self._native_gather = (
+            kv_type != KvType.FP16
+            and self.device.type == "cpu"
+            and dtype in (torch.bfloat16, torch.float32)
+            and head_dim in (32, 64, 128, 256)
+            and cpu_kernel.load() is not None
+        )
         # A pool made under inference_mode must still take writes outside it.
         with torch.inference_mode(False):
             self._data = torch.empty(
@@ -335,6 +345,8 @@ class BlockPool:
         dest = out[:n]
         if self.kv_type == KvType.FP16:
             return torch.index_select(self._data, 0, slots, out=dest)
+        if self._native_gather:
+            return cpu_kernel.gather_blocks(self._data, slots, out, self.kv_type)
         scratch = _workspace.for_gather(self, n)
         torch.index_select(self._data, 0, slots, out=scratch.raw)
         scratch.meta.copy_(scratch.meta_src)

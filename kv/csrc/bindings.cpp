@@ -5,6 +5,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention", &decode_attention);
   m.def("select_blocks", &select_blocks);
   m.def("rotate", &rotate);
+  m.def("gather_blocks", &gather_blocks);
+  m.def("block_max", &block_max);
   pybind11::class_<BlockLru, std::shared_ptr<BlockLru>>(m, "BlockLru")
       .def(pybind11::init<int64_t, int64_t>())
       .def("touch", &BlockLru::touch)

@@ -69,6 +69,11 @@ torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t firs
 
 torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
 
+torch::Tensor block_max(torch::Tensor scores, int64_t block);
+
+torch::Tensor gather_blocks(torch::Tensor storage, torch::Tensor slots, torch::Tensor out,
+                            int64_t format);
+
 // Which blocks each layer would find resident on the compute device (block_lru.cpp): an LRU of
 // `capacity` keys per layer. A touch counts each key as a hit (made the most recent) or a
 // miss (added, the least recent evicted when over capacity), in order.

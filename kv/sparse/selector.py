@@ -17,7 +17,7 @@ import torch
 from kvchat.config import PositionMode
 from kvchat.native.cpu import widened_products
 
-from .. import pinning
+from .. import cpu_kernel, pinning
 from ..positions import rotate
 from ..selection import preselect_vote
 from .geometry import PROMPT_QUERIES, SINK_BLOCKS
@@ -46,6 +46,9 @@ class BlockSelector:
         exact = cache.position_mode == PositionMode.NATIVE or widened_products(HOST, dtype)
         self.vote_dtype = torch.float32 if exact else dtype
         self.vote_table = cache.rope.cos_sin(cache.window, 1, torch.float32, HOST)
+        self.block_max = (
+            cpu_kernel.block_max if cpu_kernel.load() is not None else pinning.torch_block_max
+        )
 
     def reset(self) -> None:
         """The cache no longer holds what selections, votes and pins were made over."""
@@ -142,7 +145,7 @@ class BlockSelector:
         first, last = SINK_BLOCKS, self.cache.n_anchored
         queries = rotate(q[:, -PROMPT_QUERIES:].float().cpu(), *self.vote_table)
         self.votes += pinning.layer_shares(
-            queries, self.key_reader(st), first, last, self.vote_dtype
+            queries, self.key_reader(st), first, last, self.vote_dtype, self.block_max
         )
         self.pinned = pinning.pick(self.votes, first, self.pin_count(), last)
 

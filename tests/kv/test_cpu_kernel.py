@@ -11,7 +11,7 @@ from kvchat.kv.anchors import ANCHOR_TYPES, anchor_rows
 from kvchat.kv.attention import decode_attention
 from kvchat.kv.kernels import rotation
 from kvchat.kv.positions import rotate
-from kvchat.kv.quant import BlockPool
+from kvchat.kv.quant import BlockPool, dequantize_int4, dequantize_int8
 from kvchat.kv.selection import HEAD_SELECT_MODES, pin, score_blocks, select_top
 from kvchat.kv.sparse import CpuKernelPath
 
@@ -256,3 +256,47 @@ def test_the_caches_rotate_bf16_with_the_kernel_and_the_rest_with_torch():
     assert rotation("cpu", torch.bfloat16, "torch") is rotate
     with pytest.raises(RuntimeError, match="bf16"):
         cpu_kernel.rotate(torch.randn(1, 64), torch.randn(1, 64), torch.randn(1, 64))
+
+
+def _dequantized_by_torch(pool: BlockPool, slots: torch.Tensor) -> torch.Tensor:
+    """The pool's rows at `slots` split into values, scales (and minimums) and dequantized by
+    kv/quant.py's torch functions: the reference of every gather."""
+    rows = pool.storage[slots]
+    n, block, dim, groups = len(slots), pool.block_size, pool.head_dim, pool.head_dim // 32
+    if pool.kv_type == "INT8":
+        q = rows[:, : block * dim].view(torch.int8).view(n, block, dim)
+        scale = rows[:, block * dim :].view(torch.float16).view(n, block, groups)
+        return dequantize_int8(q, scale, pool.dtype)
+    packed = rows[:, : block * dim // 2].view(n, block, dim // 2)
+    meta = rows[:, block * dim // 2 :].view(torch.float16).view(n, 2, block, groups)
+    return dequantize_int4(packed, meta[:, 0], meta[:, 1], pool.dtype)
+
+
+@pytest.mark.parametrize("kv_type", ["INT8", "INT4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [32, 64, 128, 256])
+def test_gathered_blocks_equal_torchs_dequantization(dim, dtype, kv_type):
+    n_kv, n_blocks, block = 2, 5, 160
+    pool, _ = _quantized_pools(kv_type, n_kv, n_blocks, block, dim, dtype)
+    slots = torch.tensor([9, 0, 4, 4, 7])
+    out = torch.full((8, block, dim), float("nan"), dtype=dtype)
+    got = cpu_kernel.gather_blocks(pool.storage, slots, out, kv_type)
+    assert got.data_ptr() == out.data_ptr() and got.shape == (5, block, dim)
+    assert torch.equal(got, _dequantized_by_torch(pool, slots))
+    assert out[5:].isnan().all()
+    assert torch.equal(pool.gather(slots, out), got)  # the pool gathers with the kernel
+
+
+def test_a_slot_outside_the_pool_is_refused():
+    pool, _ = _quantized_pools("INT4", 1, 3, 16, 64, torch.float32)
+    out = torch.empty(2, 16, 64)
+    with pytest.raises(RuntimeError, match="slot 3 is outside the pool"):
+        cpu_kernel.gather_blocks(pool.storage, torch.tensor([0, 3]), out, "INT4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_max_equals_torchs_amax(dtype):
+    scores = torch.randn(3, 7 * 128, 96, generator=torch.Generator().manual_seed(2)).to(dtype)
+    got = cpu_kernel.block_max(scores, 128)
+    assert got.dtype == torch.float32 and got.shape == (3, 7, 96)
+    assert torch.equal(got, scores.unflatten(1, (7, 128)).amax(2).float())

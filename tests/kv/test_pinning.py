@@ -8,17 +8,21 @@ import pytest
 import torch
 
 from kvchat.core.plan import gather_bytes
-from kvchat.kv import pinning
+from kvchat.kv import cpu_kernel, pinning
 from kvchat.kv.sparse import CacheGeometry, SparseBackend
 
 from .conftest import small_settings
 from .test_sparse_parts import NoRotation
 
 
+@pytest.mark.parametrize("block_max", ["torch", "kernel"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_layer_shares_are_a_softmax_over_each_blocks_best_key(dtype):
+def test_layer_shares_are_a_softmax_over_each_blocks_best_key(dtype, block_max):
+    if block_max == "kernel" and cpu_kernel.load() is None:
+        pytest.skip("no C++ compiler: the torch reduction is used instead")
+    reduce = cpu_kernel.block_max if block_max == "kernel" else pinning.torch_block_max
     gen = torch.Generator().manual_seed(1)
-    n_kv, group, n_q, dim, block, n_blocks = 2, 3, 5, 16, 4, 300  # two chunks of blocks
+    n_kv, group, n_q, dim, block, n_blocks = 2, 3, 5, 16, 4, 300  # five chunks of blocks
     q = torch.randn(n_kv * group, n_q, dim, generator=gen)
     keys = torch.randn(n_kv, n_blocks * block, dim, generator=gen)
     first, last = 7, n_blocks
@@ -26,7 +30,7 @@ def test_layer_shares_are_a_softmax_over_each_blocks_best_key(dtype):
     def read(lo: int, hi: int) -> torch.Tensor:
         return keys[:, lo * block : hi * block]
 
-    got = pinning.layer_shares(q, read, first, last, dtype)
+    got = pinning.layer_shares(q, read, first, last, dtype, reduce)
     rows = q.reshape(n_kv, group * n_q, dim)
     scores = rows @ keys[:, first * block :].transpose(1, 2) / math.sqrt(dim)
     best = scores.unflatten(-1, (last - first, block)).amax(-1)

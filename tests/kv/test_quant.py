@@ -200,14 +200,16 @@ def test_gather_any_order_equals_read(kv_type: str, dtype: torch.dtype) -> None:
         assert torch.equal(got, reads[idx])
 
 
+# The torch path's scratch: fp16 pools take it on every CPU (the kernel dequantizes into
+# bf16 and fp32 only).
 @pytest.mark.parametrize("kv_type", ["INT8", "INT4"])
 def test_gather_grows_scratch_and_stays_correct(
     kv_type: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(quant, "_workspace", quant._Workspace())  # sizes from this test only
-    pool, _ = _filled_pool(kv_type, torch.bfloat16)
+    pool, _ = _filled_pool(kv_type, torch.float16)
     reads = torch.stack([pool.read(i) for i in range(pool.n_slots)])
-    out = torch.empty(40, BLOCK, DIM, dtype=torch.bfloat16)
+    out = torch.empty(40, BLOCK, DIM, dtype=torch.float16)
     idx = torch.randint(0, pool.n_slots, (40,), generator=_gen(9))
     for n in (3, 40, 7):  # grow past every earlier gather, then shrink again
         before = quant._workspace.buffers["raw", pool.device].numel()
@@ -218,8 +220,8 @@ def test_gather_grows_scratch_and_stays_correct(
 
 @pytest.mark.parametrize("kv_type", ["INT8", "INT4"])
 def test_gather_allocates_nothing_in_the_steady_state(kv_type: str) -> None:
-    pool, _ = _filled_pool(kv_type, torch.bfloat16)
-    out = torch.empty(8, BLOCK, DIM, dtype=torch.bfloat16)
+    pool, _ = _filled_pool(kv_type, torch.float16)
+    out = torch.empty(8, BLOCK, DIM, dtype=torch.float16)
     idx = torch.tensor([1, 4, 4, 9])
     pool.gather(idx, out)
     buffers = {key: buf.data_ptr() for key, buf in quant._workspace.buffers.items()}
@@ -229,15 +231,15 @@ def test_gather_allocates_nothing_in_the_steady_state(kv_type: str) -> None:
 
 
 def test_pools_share_scratch_without_interference() -> None:
-    a, _ = _filled_pool("INT4", torch.bfloat16)
-    b = BlockPool(2, BLOCK, DIM, "INT4", torch.bfloat16)
+    a, _ = _filled_pool("INT4", torch.float16)
+    b = BlockPool(2, BLOCK, DIM, "INT4", torch.float16)
     b.write(torch.arange(2), torch.ones(2, BLOCK, DIM))
-    out_a = torch.empty(4, BLOCK, DIM, dtype=torch.bfloat16)
-    out_b = torch.empty(4, BLOCK, DIM, dtype=torch.bfloat16)
+    out_a = torch.empty(4, BLOCK, DIM, dtype=torch.float16)
+    out_b = torch.empty(4, BLOCK, DIM, dtype=torch.float16)
     got_a = a.gather(torch.tensor([0, 1]), out_a).clone()
     b.gather(torch.tensor([1, 0]), out_b)
     assert torch.equal(out_a[:2], got_a)
-    assert torch.equal(out_b[:2], torch.ones(2, BLOCK, DIM, dtype=torch.bfloat16))
+    assert torch.equal(out_b[:2], torch.ones(2, BLOCK, DIM, dtype=torch.float16))
 
 
 @pytest.mark.parametrize("kv_type", KV_TYPES)
@@ -246,9 +248,9 @@ def test_pool_and_scratch_made_under_inference_mode_work_outside_it(
 ) -> None:
     monkeypatch.setattr(quant, "_workspace", quant._Workspace())  # scratch made in the block
     x = torch.randn(3, BLOCK, DIM, generator=_gen(11))
-    out = torch.empty(3, BLOCK, DIM, dtype=torch.bfloat16)
+    out = torch.empty(3, BLOCK, DIM, dtype=torch.float16)
     with torch.inference_mode():
-        pool = BlockPool(3, BLOCK, DIM, kv_type, torch.bfloat16)
+        pool = BlockPool(3, BLOCK, DIM, kv_type, torch.float16)
         pool.write(torch.arange(2), x[:2])
         inside = pool.gather(torch.tensor([1, 0]), out).clone()
     pool.write(torch.tensor([2]), x[2:])
