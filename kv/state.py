@@ -8,16 +8,9 @@ and refuses a state whose tensors do not fit the cache they are loaded into.
 
 from __future__ import annotations
 
-import ctypes
-import mmap
-import sys
 from dataclasses import dataclass
-from functools import cache
 
 import torch
-
-# madvise(2) advice that faults a range in, writable, in one call (Linux 5.14 and later).
-_MADV_POPULATE_WRITE = 23
 
 
 class StateMismatchError(ValueError):
@@ -58,45 +51,7 @@ class CacheState:
                     f"needs {_describe(dest)}"
                 )
         for name, dest in views.items():
-            populate(dest)
             dest.copy_(self.tensors[name])
-
-
-@cache
-def _madvise() -> ctypes._CFuncPtr | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    madvise.restype = ctypes.c_int
-    return madvise
-
-
-def populate(t: torch.Tensor) -> None:
-    """Fault in the pages of a freshly made cache's tensor before a copy fills it: a copy that
-    faults them one at a time fills 1-2.5 GB/s on a VM, where one call per run populates ~4
-    GB/s, and a 1M-token INT4 cache holds 7 GiB. Each contiguous run (a KV head's used
-    blocks) is populated alone, so capacity between the runs stays untouched. Where the
-    call fails (older kernels), the copy faults the pages in."""
-    madvise = _madvise()
-    if madvise is None or t.device.type != "cpu" or t.numel() == 0:
-        return
-    if t.is_contiguous():
-        runs = [t]
-    elif t.dim() > 1 and t[0].is_contiguous():
-        runs = list(t)
-    else:
-        return
-    for run in runs:
-        start = run.data_ptr()
-        end = start + run.numel() * run.element_size()
-        page = mmap.PAGESIZE
-        first, last = -(-start // page) * page, end // page * page
-        if last > first:
-            madvise(first, last - first, _MADV_POPULATE_WRITE)
 
 
 def _few(names: list[str]) -> str:
