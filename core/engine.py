@@ -267,8 +267,8 @@ class Session(Turns[Conversation]):
     ) -> torch.Tensor:
         """Prefill `ids` after the cached tokens in chunks; returns the last token's logits.
 
-        Cancelling stops between chunks: the chunks done stay cached and `tokens` says which,
-        so a later call resumes where this one stopped.
+        Cancelling stops at the next layer: the chunk under way is dropped, the chunks done
+        stay cached and `tokens` says which, so a later call resumes where this one stopped.
         """
         engine = self.engine
         engine.check_fits(len(self.tokens) + len(ids), 0)
@@ -283,7 +283,20 @@ class Session(Turns[Conversation]):
             # Tokenizing a long document leaves its temporaries in the allocator's arenas
             # (~57 MB at 128K tokens): give them back before the cache grows past them.
             release_freed_memory()
-        done = 0
+        done = reported = 0
+        n_layers = engine.config.num_layers
+
+        def layer_done(layer: int) -> None:
+            # A chunk at 1M tokens takes seconds: its layers move the progress too.
+            nonlocal reported
+            if cancel is not None and cancel.is_set():
+                raise Cancelled(f"prefill cancelled after {done} of {len(ids)} tokens")
+            assert on_progress is not None
+            at = done + len(piece) * layer // n_layers
+            if reported < at < done + len(piece):
+                reported = at
+                on_progress(at, len(ids))
+
         started = time.perf_counter()
         engine.throughput.begin_prefill()
         while done < len(ids):
@@ -291,7 +304,11 @@ class Session(Turns[Conversation]):
                 raise Cancelled(f"prefill cancelled after {done} of {len(ids)} tokens")
             piece = list(ids[done : done + chunk])
             with torch.inference_mode():
-                self._logits = engine.model.forward(torch.tensor(piece), self.cache)[-1]
+                self._logits = engine.model.forward(
+                    torch.tensor(piece),
+                    self.cache,
+                    on_layer=None if on_progress is None else layer_done,
+                )[-1]
             self.tokens += piece
             done += len(piece)
             # A chunk's temporaries, freed into the heap between the cache's long-lived
@@ -301,6 +318,7 @@ class Session(Turns[Conversation]):
             release_freed_memory()
             engine.throughput.record_prefill(done, time.perf_counter() - started)
             if on_progress is not None:
+                reported = done
                 on_progress(done, len(ids))
         if self._logits is None:
             raise ValueError("nothing to prefill: no tokens given and none cached")

@@ -7,7 +7,7 @@ large) and only the rows of the current chunk move to the compute device.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import partial
 from types import ModuleType
@@ -281,11 +281,16 @@ class Transformer:
 
     @torch.inference_mode()
     def forward(
-        self, ids: torch.Tensor, backend: AttentionBackend, all_logits: bool = False
+        self,
+        ids: torch.Tensor,
+        backend: AttentionBackend,
+        all_logits: bool = False,
+        on_layer: Callable[[int], None] | None = None,
     ) -> torch.Tensor:
         """Run tokens `ids` [T] at positions backend.length .. +T; return fp32 logits.
 
-        Logits of the last token only ([1, vocab]) unless `all_logits` ([T, vocab]).
+        Logits of the last token only ([1, vocab]) unless `all_logits` ([T, vocab]);
+        `on_layer(i)` after each of the first i layers of a pass of several tokens.
         """
         cfg = self.cfg
         n = ids.shape[0]
@@ -293,21 +298,27 @@ class Transformer:
         backend.begin(n)
         norm = self._rms_norm
         decode = self._decode_layers if n == 1 else None
-        for i, layer in enumerate(self.layers):
-            if decode is not None:
-                # Two C++ calls around the attention, which take and give [heads, 1, head_dim].
-                q, k, v = decode[i].qkv(x)
-                x = decode[i].tail(x, backend.attend(i, q, k, v))
-                continue
-            qkv = layer.qkv(norm(x, layer.attn_norm, cfg.rms_norm_eps))
-            # [heads, n, head_dim] views of q, k and v: three ops, not seven, per layer.
-            heads = qkv.view(n, -1, cfg.head_dim).transpose(0, 1)
-            q, k, v = heads.split_with_sizes(self._qkv_heads)
-            attn = backend.attend(i, q, k, v).transpose(0, 1).reshape(n, -1)
-            x = x + layer.o(attn)
-            x = x + layer.down(
-                self._silu_mul(layer.gate_up(norm(x, layer.mlp_norm, cfg.rms_norm_eps)))
-            )
+        try:
+            for i, layer in enumerate(self.layers):
+                if decode is not None:
+                    # Two C++ calls around the attention, which take and give [heads, 1, head_dim].
+                    q, k, v = decode[i].qkv(x)
+                    x = decode[i].tail(x, backend.attend(i, q, k, v))
+                    continue
+                qkv = layer.qkv(norm(x, layer.attn_norm, cfg.rms_norm_eps))
+                # [heads, n, head_dim] views of q, k and v: three ops, not seven, per layer.
+                heads = qkv.view(n, -1, cfg.head_dim).transpose(0, 1)
+                q, k, v = heads.split_with_sizes(self._qkv_heads)
+                attn = backend.attend(i, q, k, v).transpose(0, 1).reshape(n, -1)
+                x = x + layer.o(attn)
+                x = x + layer.down(
+                    self._silu_mul(layer.gate_up(norm(x, layer.mlp_norm, cfg.rms_norm_eps)))
+                )
+                if on_layer is not None:
+                    on_layer(i + 1)
+        except BaseException:
+            backend.abort()  # a pass stopped between layers (a cancelled prefill)
+            raise
         backend.commit()
         if not all_logits:
             x = x[-1:]

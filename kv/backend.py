@@ -105,6 +105,11 @@ class AttentionBackend(ABC):
         """Make the tokens of the current pass part of the cache."""
 
     @abstractmethod
+    def abort(self) -> None:
+        """Drop the current pass (stopped between layers): the cache holds what it held before
+        `begin`; what the pass wrote past `length` is written again by the next one."""
+
+    @abstractmethod
     def truncate(self, n_tokens: int) -> None:
         """Forget every token from position `n_tokens` on."""
 

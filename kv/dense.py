@@ -99,6 +99,9 @@ class DenseBackend(AttentionBackend):
         self._length += self._n_new
         self._n_new = 0
 
+    def abort(self) -> None:
+        self._n_new = 0
+
     def truncate(self, n_tokens: int) -> None:
         self._length = min(self._length, max(n_tokens, 0))
 

@@ -206,6 +206,16 @@ class SparseBackend(AttentionBackend):
             self.selector.needs_preselect = True
         self.n_new = 0
 
+    def abort(self) -> None:
+        # As after a truncate to the committed length: pins and selections go. DYNAMIC
+        # anchors lose the attention the window received so far: the layers that ran added
+        # this pass's share, which cannot be told apart.
+        self.selector.reset()
+        for st in self.layers:
+            if st.received is not None:
+                st.received.zero_()
+        self.n_new = 0
+
     # -- blocks ----------------------------------------------------------------------------
     def slots(self, blocks: torch.Tensor) -> torch.Tensor:
         """Store slots [n_kv, k] of `blocks` ([k] shared or [n_kv, k])."""

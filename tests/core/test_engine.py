@@ -65,7 +65,10 @@ def test_chunked_prefill_equals_one_pass(engine_fp32, settings_fp32):
     assert (last - whole).abs().max().item() < 1e-4
     assert progress[-1] == (len(ids), len(ids))
     assert [d for d, _ in progress] == sorted({d for d, _ in progress})
-    assert len(progress) == -(-len(ids) // 16)
+    # Every chunk's end, and its layers in between: a long chunk's progress moves.
+    ends = {min(end, len(ids)) for end in range(16, len(ids) + 16, 16)}
+    assert ends < {d for d, _ in progress}
+    assert len(progress) > 4 * len(ends)
 
 
 def test_cancelled_prefill_leaves_session_usable(engine_fp32, settings_fp32):
@@ -85,6 +88,39 @@ def test_cancelled_prefill_leaves_session_usable(engine_fp32, settings_fp32):
     # Resuming prefills only the rest and gives the same logits as an uncancelled run.
     assert engine.session.sync(ids) == len(ids) - 32
     fresh = engine_fp32.new_session().extend(ids)
+    assert (engine.session.logits - fresh).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("attention", ["dense", "sparse"])
+def test_a_prefill_cancelled_between_layers_stops_there_and_resumes_exactly(
+    engine_fp32, settings_fp32, attention
+):
+    # Esc during a long chunk: the chunk stops at its next layer, the cache drops it.
+    lc = replace(
+        settings_fp32.long_context,
+        chunk_size=64,
+        attention=attention,
+        block_size=16,
+        local_windows_len=32,
+        second_select_num=2,
+    )
+    engine = engine_fp32.with_settings(replace(settings_fp32, long_context=lc))
+    ids = _chat_ids(engine, "Summarise the plot of Hamlet in detail. " * 20)
+    assert len(ids) > 192
+    cancel = threading.Event()
+    seen = []
+
+    def stop_inside_the_third_chunk(done, total):
+        seen.append(done)
+        if done > 128 + 20:
+            cancel.set()
+
+    with pytest.raises(Cancelled):
+        engine.session.extend(ids, on_progress=stop_inside_the_third_chunk, cancel=cancel)
+    assert max(seen) < 192  # no layer after the one that saw the cancel
+    assert engine.session.tokens == ids[:128] and engine.session.cache.length == 128
+    assert engine.session.sync(ids) == len(ids) - 128
+    fresh = engine.new_session().extend(ids)
     assert (engine.session.logits - fresh).abs().max().item() < 1e-4
 
 
