@@ -24,8 +24,9 @@ from .conftest import notifications, send, wait_idle
 
 pytestmark = [pytest.mark.anyio, pytest.mark.usefixtures("home")]
 
-# Prefill chunks of 16 tokens: a short question's prompt takes two or more, so a stop
-# between them lands inside the prefill. 1024 tokens: a long question is refused cheaply.
+# Prefill chunks of 16 tokens: a short question's prompt takes two or more, so the prefill
+# is still under way when its first progress is reported. 1024 tokens: a long question is
+# refused cheaply.
 OVERRIDES = [
     "generation.max_new_tokens=8",
     "long_context.chunk_size=16",
@@ -45,9 +46,9 @@ def settings() -> Settings:
 
 class StopsDuringPrefill(KvchatApp):
     """The app, with its stop action run at the first prefill progress of the next question
-    when `stop_next_prefill` is set. The worker reports progress between chunks and waits
-    here until the UI thread has run the action, so the prefill stops before its next chunk
-    whatever the machine's speed: Esc pressed at a known moment."""
+    when `stop_next_prefill` is set. The worker reports progress after the layers of its
+    first chunk and waits here until the UI thread has run the action, so the prefill stops
+    inside that chunk whatever the machine's speed: Esc pressed at a known moment."""
 
     # Textual finds a relative CSS_PATH beside the module of the class that sets it.
     CSS_PATH = str(Path(app_module.__file__).with_name("app.tcss"))
@@ -92,7 +93,7 @@ async def test_stopped_questions_and_regenerated_answers_survive_a_resume(
     app = StopsDuringPrefill(settings, engine=engine)
     async with app.run_test(size=(140, 45)) as pilot:
         await stop_during_prefill(pilot, app, STOPPED_FIRST)
-        assert any("prefill cancelled after 16 of" in n for n in notifications(app))
+        assert any("prefill cancelled after 0 of" in n for n in notifications(app))
         assert screen(app) == [("user", STOPPED_FIRST + NO_ANSWER)]
         assert engine.session.conversation.messages == []
 
