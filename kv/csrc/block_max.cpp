@@ -5,7 +5,6 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <vector>
 
 #include "bf16.h"
 #include "kernels.h"

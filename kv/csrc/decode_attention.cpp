@@ -85,14 +85,11 @@ inline float load(const uint16_t* p, int64_t i) { return kvchat::bf16_to_float(p
 
 using kvchat::dequant_int4;
 using kvchat::dequant_int8;
+using kvchat::meta_bytes;
+using kvchat::value_bytes;
 using kvchat::Format;
 using kvchat::KeyRun;
 using kvchat::KeySet;
-
-// Bytes of a quantized row's values, and of its fp16 metadata: a scale per 32 values, and for
-// INT4 a minimum per 32 values too (kv/quant.py).
-constexpr int64_t value_bytes(Format f, int64_t D) { return f == Format::Int4 ? D / 2 : D; }
-constexpr int64_t meta_bytes(Format f, int64_t D) { return (f == Format::Int4 ? 4 : 2) * (D / 32); }
 
 // The tile after this one, whose rows are prefetched one by one while this tile's rows are
 // read (a bulk prefetch at the tile's start, or none, streams at half the rate: the runs are

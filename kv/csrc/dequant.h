@@ -8,6 +8,8 @@
 #include <cstdint>
 #include <type_traits>
 
+#include "kernels.h"
+
 #if defined(__AVX512BF16__)
 #include <immintrin.h>
 #define KVCHAT_DPBF16 1
@@ -16,6 +18,11 @@
 #endif
 
 namespace kvchat {
+
+// Bytes of a quantized row's values, and of its fp16 metadata: a scale per 32 values, and for
+// INT4 a minimum per 32 values too (kv/quant.py).
+constexpr int64_t value_bytes(Format f, int64_t D) { return f == Format::Int4 ? D / 2 : D; }
+constexpr int64_t meta_bytes(Format f, int64_t D) { return (f == Format::Int4 ? 4 : 2) * (D / 32); }
 
 // Rows [t0, t0 + tn) of an INT8 block of `rows` rows in T, as BlockPool.gather makes them:
 // q * scale in fp32, rounded once to T.

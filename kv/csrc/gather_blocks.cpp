@@ -47,7 +47,7 @@ torch::Tensor gather_blocks(torch::Tensor storage, torch::Tensor slots, torch::T
   const auto f = static_cast<Format>(format);
   const int64_t n = slots.size(0), block = out.size(1), D = out.size(2);
   const int64_t row_bytes = storage.size(1);
-  const int64_t per_row = f == Format::Int4 ? D / 2 + 4 * (D / 32) : D + 2 * (D / 32);
+  const int64_t per_row = kvchat::value_bytes(f, D) + kvchat::meta_bytes(f, D);
   TORCH_CHECK(D % 32 == 0 && row_bytes == block * per_row, "out's block does not fit the rows");
   TORCH_CHECK(out.size(0) >= n, "out holds fewer blocks than slots");
   auto idx = slots.contiguous();
