@@ -287,13 +287,13 @@ class Session(Turns[Conversation]):
         n_layers = engine.config.num_layers
 
         def layer_done(layer: int) -> None:
-            # A chunk at 1M tokens takes seconds: its layers move the progress too.
+            # A chunk at 1M tokens takes seconds: Esc stops it and its layers move the
+            # progress.
             nonlocal reported
             if cancel is not None and cancel.is_set():
                 raise Cancelled(f"prefill cancelled after {done} of {len(ids)} tokens")
-            assert on_progress is not None
             at = done + len(piece) * layer // n_layers
-            if reported < at < done + len(piece):
+            if on_progress is not None and reported < at < done + len(piece):
                 reported = at
                 on_progress(at, len(ids))
 
@@ -307,7 +307,7 @@ class Session(Turns[Conversation]):
                 self._logits = engine.model.forward(
                     torch.tensor(piece),
                     self.cache,
-                    on_layer=None if on_progress is None else layer_done,
+                    on_layer=None if on_progress is None and cancel is None else layer_done,
                 )[-1]
             self.tokens += piece
             done += len(piece)

@@ -124,6 +124,30 @@ def test_a_prefill_cancelled_between_layers_stops_there_and_resumes_exactly(
     assert (engine.session.logits - fresh).abs().max().item() < 1e-4
 
 
+class SetAfter(threading.Event):
+    """An Event that reads as set from its `n`-th look on: a stop at a known point."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.looks, self.n = 0, n
+
+    def is_set(self) -> bool:
+        self.looks += 1
+        return self.looks >= self.n
+
+
+def test_a_prefill_without_progress_still_stops_between_layers(engine_fp32, settings_fp32):
+    lc = replace(settings_fp32.long_context, chunk_size=64)
+    engine = engine_fp32.with_settings(replace(settings_fp32, long_context=lc))
+    ids = _chat_ids(engine, "Summarise the plot of Hamlet in detail. " * 20)
+    assert len(ids) > 192
+    # Looks: the first chunk's start and its 30 layers, then the second chunk's start and
+    # five of its layers: the stop lands inside the second chunk.
+    with pytest.raises(Cancelled):
+        engine.session.extend(ids, cancel=SetAfter(1 + 30 + 1 + 5))
+    assert engine.session.tokens == ids[:64] and engine.session.cache.length == 64
+
+
 def test_generation_cancel_and_limit_say_why_the_reply_ended(engine_fp32, settings_fp32):
     session = engine_fp32.new_session()
     ids = _chat_ids(engine_fp32)
