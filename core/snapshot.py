@@ -45,11 +45,13 @@ import hashlib
 import json
 import logging
 import math
+import mmap
 import os
 import shutil
 import struct
 import tempfile
 import time
+import weakref
 import zlib
 from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -62,6 +64,7 @@ import torch
 
 from kvchat.config import AttentionMode, LongContextSettings, PositionMode
 from kvchat.config.home import Place, folder_for, private_folder
+from kvchat.kv import host_pages
 from kvchat.kv.sparse import RETUNABLE
 from kvchat.kv.state import CacheState
 
@@ -69,7 +72,7 @@ from .gguf_header import read_gguf_header
 from .model_config import ModelConfig
 from .terminal_text import terminal_safe
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 # What a prefill leaves in a cache and how a backend exports it (kv/sparse/cache.py, kv/dense.py,
 # kv/state.py); bump it whenever either changes. A snapshot of another version has another
 # key and is never loaded into this version's cache.
@@ -561,6 +564,39 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
+def _rows(shape: list[int], nbytes: int) -> tuple[int, int]:
+    """A section's rows (its first dimension) and the bytes of each."""
+    rows = shape[0] if shape else 1
+    return rows, (nbytes // rows if rows else 0)
+
+
+def _pitch(t: torch.Tensor) -> int:
+    """The bytes from one row of `t` to the next in the file: the row's size, plus a gap that
+    puts every row at the same place in a page as it is in memory when the rows are strided
+    (a cache's blocks per KV head), so a restore into the same layout can map the file's pages
+    instead of copying them."""
+    row = t[0].numel() * t.element_size() if t.dim() else t.element_size()
+    if t.dim() < 2 or t.shape[0] < 2 or row < host_pages.PAGE or not t[0].is_contiguous():
+        return row
+    stride = t.stride(0) * t.element_size()
+    return row + (stride - row) % host_pages.PAGE if stride > row else row
+
+
+def _start(offset: int, t: torch.Tensor) -> int:
+    """The first aligned offset from `offset` where a section of `t` starts at the same place
+    in a page as `t` does in memory (just aligned for sections under a page)."""
+    offset = _align(offset)
+    at = t.data_ptr() % host_pages.PAGE
+    if t.numel() * t.element_size() < host_pages.PAGE or at % ALIGN:
+        return offset
+    return offset + (at - offset) % host_pages.PAGE
+
+
+def _end(entry: dict) -> int:
+    rows, row = _rows(entry["shape"], entry["nbytes"])
+    return entry["offset"] + (rows - 1) * entry["pitch"] + row if rows and row else entry["offset"]
+
+
 def _layout(header: dict, sections: list[tuple[str, torch.Tensor]]) -> dict:
     """The header with every section's offset and the file's size filled in. CRCs are written
     as 8 hex digits whatever their value, so the header's length is final before the data."""
@@ -570,6 +606,7 @@ def _layout(header: dict, sections: list[tuple[str, torch.Tensor]]) -> dict:
             "dtype": str(t.dtype).removeprefix("torch."),
             "shape": list(t.shape),
             "offset": 0,
+            "pitch": _pitch(t),
             "nbytes": t.numel() * t.element_size(),
             "crc32": "00000000",
         }
@@ -583,11 +620,11 @@ def _layout(header: dict, sections: list[tuple[str, torch.Tensor]]) -> dict:
     length = -1
     while length != (encoded := len(_encode(header))):
         length = encoded
-        offset = _align(_PREAMBLE.size + length)
-        for entry in table:
-            entry["offset"] = offset
-            offset = _align(offset + entry["nbytes"])
-        header["file_size"] = table[-1]["offset"] + table[-1]["nbytes"]
+        offset = _PREAMBLE.size + length
+        for entry, (_, t) in zip(table, sections, strict=True):
+            entry["offset"] = _start(offset, t)
+            offset = _end(entry)
+        header["file_size"] = offset
     return header
 
 
@@ -602,11 +639,14 @@ def _write_atomically(path: Path, header: dict, sections: list[tuple[str, torch.
             os.fchmod(f.fileno(), 0o600)  # the owner's alone, whatever the umask
             f.seek(header["sections"][0]["offset"])
             for entry, (_, tensor) in zip(header["sections"], sections, strict=True):
-                f.write(b"\0" * (entry["offset"] - f.tell()))
+                rows, row = _rows(entry["shape"], entry["nbytes"])
+                pitched = entry["pitch"] != row
                 crc = 0
-                for piece in _byte_pieces(tensor):
-                    f.write(piece)
-                    crc = zlib.crc32(piece, crc)
+                for i, part in enumerate(tensor if pitched else [tensor]):
+                    f.write(b"\0" * (entry["offset"] + i * entry["pitch"] - f.tell()))
+                    for piece in _byte_pieces(part):
+                        f.write(piece)
+                        crc = zlib.crc32(piece, crc)
                 entry["crc32"] = f"{crc:08x}"
             if f.tell() != header["file_size"]:
                 raise SnapshotError(f"wrote {f.tell()} bytes, expected {header['file_size']}")
@@ -713,7 +753,7 @@ def _parse_header(encoded: bytes) -> dict:
     for i, entry in enumerate(header["sections"]):
         entry = entry if type(entry) is dict else {}
         name, dtype, shape = entry.get("name"), entry.get("dtype"), entry.get("shape")
-        offset, nbytes = entry.get("offset"), entry.get("nbytes")
+        offset, nbytes, pitch = entry.get("offset"), entry.get("nbytes"), entry.get("pitch")
         if not (
             type(name) is str
             and name not in table
@@ -724,13 +764,18 @@ def _parse_header(encoded: bytes) -> dict:
             and all(map(_count, shape))
             and _count(offset)
             and _count(nbytes)
+            and _count(pitch)
             and type(entry.get("crc32")) is str
         ):
             raise ValueError(f"section {i}: bad table entry")
-        if offset % ALIGN or offset < end or offset + nbytes > file_size:
-            raise ValueError(f"section {name}: {nbytes} bytes at {offset} are not in the file")
-        if math.prod(shape) * _DTYPES[dtype].itemsize != nbytes:
+        itemsize = _DTYPES[dtype].itemsize
+        if math.prod(shape) * itemsize != nbytes:
             raise ValueError(f"section {name}: shape {shape} does not match {nbytes} bytes")
+        rows, row = _rows(shape, nbytes)
+        if rows and row and (pitch < row or pitch % itemsize):
+            raise ValueError(f"section {name}: rows of {row} bytes {pitch} bytes apart")
+        if offset % ALIGN or offset < end or _end(entry) > file_size:
+            raise ValueError(f"section {name}: {nbytes} bytes at {offset} are not in the file")
         table[name] = (dtype, shape)
     if table.get("tokens") != ("int32", [tokens]):
         raise ValueError(f"no tokens section of {tokens} tokens")
@@ -757,13 +802,9 @@ def _shallow(value: object, depth: int) -> bool:
 def _load(info: SnapshotInfo) -> LoadedSnapshot:
     """Map the file, check every section's checksum, and view the sections as tensors."""
     header = _read_header(info.path)
-    size = header["file_size"]
-    try:
-        raw = torch.from_file(str(info.path), shared=False, size=size, dtype=torch.uint8)
-    except RuntimeError as e:  # torch reports a file it cannot open or map this way
-        raise OSError(str(e)) from e
+    pages = _FilePages(info.path, header["file_size"])
     entries = header["sections"]  # every entry checked by _parse_header
-    sections = [raw[e["offset"] : e["offset"] + e["nbytes"]] for e in entries]
+    sections = [pages.section(e) for e in entries]
     # One section per core at a time: zlib's checksum runs on one core at ~2 GB/s and lets
     # go of the GIL.
     with ThreadPoolExecutor(max(1, min(torch.get_num_threads(), len(sections)))) as workers:
@@ -775,12 +816,45 @@ def _load(info: SnapshotInfo) -> LoadedSnapshot:
         tensors[entry["name"]] = data.view(_DTYPES[entry["dtype"]]).view(entry["shape"])
     tokens, logits = tensors.pop("tokens"), tensors.pop("logits")
     cache = {name.removeprefix("cache."): t for name, t in tensors.items()}
-    return LoadedSnapshot(info, tokens.tolist(), logits, CacheState(dict(header["scalars"]), cache))
+    state = CacheState(dict(header["scalars"]), cache, copy_into=pages.copy_into)
+    return LoadedSnapshot(info, tokens.tolist(), logits, state)
+
+
+class _FilePages:
+    """A snapshot file mapped privately (reads come from the page cache, writes stay in this
+    process), and kept open so that restores can map its pages into a cache."""
+
+    def __init__(self, path: Path, size: int) -> None:
+        self.fd = os.open(path, os.O_RDONLY)
+        weakref.finalize(self, os.close, self.fd)
+        if os.fstat(self.fd).st_size != size:  # replaced since its header was read
+            raise OSError(f"{path.name} changed while it was read")
+        region = mmap.mmap(self.fd, size, access=mmap.ACCESS_COPY)
+        self.raw = torch.frombuffer(region, dtype=torch.uint8)
+        self.base = self.raw.data_ptr()
+
+    def section(self, entry: dict) -> torch.Tensor:
+        """A section's bytes: [rows, row] (strided when its rows are pitched), or flat."""
+        rows, row = _rows(entry["shape"], entry["nbytes"])
+        if not (rows and row) or entry["pitch"] == row:
+            return self.raw[entry["offset"] : entry["offset"] + entry["nbytes"]]
+        return self.raw.as_strided((rows, row), (entry["pitch"], 1), entry["offset"])
+
+    def copy_into(self, dest: torch.Tensor, src: torch.Tensor) -> None:
+        """dest.copy_(src) for a view `src` of this file, mapping the pages that line up."""
+        if src.is_contiguous() and dest.is_contiguous():
+            host_pages.copy_from_file(dest, src, self.fd, src.data_ptr() - self.base)
+        elif src.dim() > 1:
+            for d, s in zip(dest, src, strict=True):
+                self.copy_into(d, s)
+        else:
+            dest.copy_(src)
 
 
 def _crc32(data: torch.Tensor) -> int:
-    array = data.numpy()
     crc = 0
-    for start in range(0, len(array), _CHUNK):
-        crc = zlib.crc32(array[start : start + _CHUNK], crc)
+    for row in [data.reshape(-1)] if data.is_contiguous() else data:
+        array = row.numpy()
+        for start in range(0, len(array), _CHUNK):
+            crc = zlib.crc32(array[start : start + _CHUNK], crc)
     return crc

@@ -42,7 +42,7 @@ import torch
 
 from kvchat.config.enums import KvType
 
-from . import cpu_kernel
+from . import cpu_kernel, host_pages
 
 KV_TYPES = tuple(KvType)
 GROUP = 32
@@ -295,9 +295,14 @@ class BlockPool:
         )
         # A pool made under inference_mode must still take writes outside it.
         with torch.inference_mode(False):
-            self._data = torch.empty(
-                shape, dtype=storage_dtype, device=self.device, pin_memory=pin_memory
-            )
+            if self.device.type == "cpu" and not pin_memory:
+                # Memory of our own, so that a snapshot's blocks can be mapped into it.
+                nbytes = math.prod(shape) * storage_dtype.itemsize
+                self._data = host_pages.allocate(nbytes).view(storage_dtype).view(shape)
+            else:
+                self._data = torch.empty(
+                    shape, dtype=storage_dtype, device=self.device, pin_memory=pin_memory
+                )
 
     @property
     def bytes_per_slot(self) -> int:

@@ -8,9 +8,14 @@ and refuses a state whose tensors do not fit the cache they are loaded into.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+
+def _copy(dest: torch.Tensor, src: torch.Tensor) -> None:
+    dest.copy_(src)
 
 
 class StateMismatchError(ValueError):
@@ -27,6 +32,8 @@ class CacheState:
 
     scalars: dict[str, int]
     tensors: dict[str, torch.Tensor]
+    # How a saved tensor goes into the cache: a snapshot maps its file's pages where it can.
+    copy_into: Callable[[torch.Tensor, torch.Tensor], None] = _copy
 
     def scalar(self, name: str) -> int:
         if name not in self.scalars:
@@ -34,8 +41,8 @@ class CacheState:
         return self.scalars[name]
 
     def restore(self, views: dict[str, torch.Tensor]) -> None:
-        """Copy every saved tensor into the cache view of the same name, after checking that
-        the names, shapes and dtypes are exactly the cache's."""
+        """Copy every saved tensor into the cache view of the same name (with `copy_into`),
+        after checking that the names, shapes and dtypes are exactly the cache's."""
         if set(views) != set(self.tensors):
             missing = sorted(set(views) - set(self.tensors))
             extra = sorted(set(self.tensors) - set(views))
@@ -51,7 +58,7 @@ class CacheState:
                     f"needs {_describe(dest)}"
                 )
         for name, dest in views.items():
-            dest.copy_(self.tensors[name])
+            self.copy_into(dest, self.tensors[name])
 
 
 def _few(names: list[str]) -> str:

@@ -22,6 +22,7 @@ import torch
 from kvchat.core import snapshot
 from kvchat.core.snapshot import (
     _PREAMBLE,
+    FORMAT_VERSION,
     MAGIC,
     SUFFIX,
     SnapshotError,
@@ -76,7 +77,7 @@ def build(header: dict, original: bytes) -> bytes:
     encoded = encoded.replace(json.dumps(DEEP).encode(), b"[" * 50_000 + b"]" * 50_000)
     _, _, _, length = _PREAMBLE.unpack_from(original)
     start = -(-(_PREAMBLE.size + length) // 64) * 64
-    head = _PREAMBLE.pack(MAGIC, 1, zlib.crc32(encoded), len(encoded)) + encoded
+    head = _PREAMBLE.pack(MAGIC, FORMAT_VERSION, zlib.crc32(encoded), len(encoded)) + encoded
     return head + b"\0" * max(start - len(head), 0) + original[start:]
 
 
@@ -117,7 +118,7 @@ def fuzzed_files(template: Path, count: int) -> list[bytes]:
     files = [build(mutate(header, random.Random(seed)), original) for seed in range(count)]
     # Header lengths beyond what a file holds, and one (sparse) file that does hold it.
     for length in (2**40, 2**64 - 1, (64 << 20) + 1):
-        files.append(_PREAMBLE.pack(MAGIC, 1, 0, length) + original[_PREAMBLE.size :])
+        files.append(_PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0, length) + original[_PREAMBLE.size :])
     return files
 
 
