@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -11,8 +13,9 @@ from contextlib import contextmanager
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["TRANSFORMERS_OFFLINE"] = "1"
-# Never read or write the developer's own ~/.kvchat from a test.
+# Never read or write the developer's own ~/.kvchat from a test; nor leave the tests' behind.
 os.environ["KVCHAT_HOME"] = tempfile.mkdtemp(prefix="kvchat-test-home-")
+atexit.register(shutil.rmtree, os.environ["KVCHAT_HOME"], ignore_errors=True)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
