@@ -14,6 +14,7 @@ import torch
 
 from kvchat.config import AttentionMode, GenerationSettings, Settings
 from kvchat.core.engine import Engine, EngineStats
+from kvchat.core.memory import peak_rss, reset_peak_rss
 from kvchat.core.plan import PlanRefusedError
 from kvchat.core.tokenizer import Tokenizer
 from kvchat.kv.backend import CacheStats
@@ -108,6 +109,17 @@ def timings(stats: EngineStats) -> dict:
     }
 
 
+def memory_use(engine: Engine) -> dict:
+    """The process's peak RSS since the cell began (its start where the OS cannot reset the
+    peak) beside the plan's total for the tokens the cell's cache holds."""
+    tokens = engine.session.cache_stats().tokens
+    return {
+        "peak_rss_bytes": peak_rss(),
+        "cache_tokens": tokens,
+        "plan_total_bytes": engine.plan(tokens).total_bytes,
+    }
+
+
 def run_grid(
     engine: Engine,
     label: str,
@@ -128,11 +140,13 @@ def run_grid(
         refusal = None
         for depth in depths:
             for trial in range(trials):
+                reset_peak_rss()
                 try:
                     cell = run_cell(engine, length, depth, trial)
                 except PlanRefusedError as e:
                     refusal = str(e)
                     break
+                cell |= memory_use(engine)
                 done.append(cell)
                 log(line(label, cell))
             if refusal is not None:

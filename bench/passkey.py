@@ -94,13 +94,14 @@ def _cell_line(label: str, cell: dict) -> str:
     return (
         f"{label:<6} {cell['length']:>8} {cell['depth']:>6.2f} {cell['passkey']:>6}  "
         f"{_snippet(cell['answer'])!r:<28} {'ok' if cell['ok'] else 'MISS':<4} "
-        f"{cell['prefill_tok_s']:>9.0f} {cell['seconds']:>8.1f}"
+        f"{cell['prefill_tok_s']:>9.0f} {cell['seconds']:>8.1f} "
+        f"{cell['peak_rss_bytes'] / 2**30:>6.2f}/{cell['plan_total_bytes'] / 2**30:.2f}"
     )
 
 
 _HEADER = (
     f"{'run':<6} {'length':>8} {'depth':>6} {'key':>6}  {'answer':<28} {'ok':<4} "
-    f"{'prefill/s':>9} {'seconds':>8}"
+    f"{'prefill/s':>9} {'seconds':>8} {'peak/plan GiB':>13}"
 )
 
 

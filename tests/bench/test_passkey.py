@@ -66,6 +66,9 @@ def test_grid_with_dense_attention(dense_settings):
         assert cell["prompt_tokens"] > cell["document_tokens"]
         assert cell["prefill_tok_s"] > 0 and cell["seconds"] > 0
         assert cell["ok"] == (str(cell["passkey"]) in cell["answer"])
+        # The cell's peak RSS beside the plan for what its cache holds (prompt and reply).
+        assert cell["prompt_tokens"] <= cell["cache_tokens"] <= cell["prompt_tokens"] + 16
+        assert 0 < cell["peak_rss_bytes"] <= cell["plan_total_bytes"], cell
     assert [r["length"] for r in result["per_length"]] == [1024, 2048]
     for row in result["per_length"]:
         assert row["total"] == 2 and 0.0 <= row["accuracy"] <= 1.0
