@@ -393,9 +393,12 @@ class Session(Turns[Conversation]):
             warnings=lookup.warnings,
         )
 
-    def save_snapshot(self) -> SnapshotInfo:
+    def save_snapshot(
+        self, on_progress: ProgressFn | None = None, cancel: threading.Event | None = None
+    ) -> SnapshotInfo:
         """Write the cache, its tokens and the last logits to the snapshot folder (an
-        identical snapshot already there is only marked as used)."""
+        identical snapshot already there is only marked as used). `on_progress` follows the
+        bytes written; `cancel` stops the write and keeps nothing."""
         engine = self.engine
         store = engine.snapshots
         if store is None:
@@ -412,6 +415,8 @@ class Session(Turns[Conversation]):
                 engine.config.name or engine.source.name,
                 engine.snapshot_settings(self.cache.position_mode),
                 rate or None,
+                on_progress,
+                cancel,
             )
 
     def prefill_document(
@@ -420,10 +425,12 @@ class Session(Turns[Conversation]):
         on_progress: ProgressFn | None = None,
         cancel: threading.Event | None = None,
         planned_tokens: int | None = None,
+        on_saving: ProgressFn | None = None,
     ) -> PrefillReport:
         """Prefill a document prefix so that questions only prefill themselves: loaded from a
         snapshot when one holds it, and saved as one (cache settings) after a prefill of at
-        least cache.snapshot_min_tokens tokens."""
+        least cache.snapshot_min_tokens tokens. `on_saving` follows the save's bytes; a
+        cancel during the save keeps the prefilled cache and no snapshot (a warning)."""
         engine = self.engine
         self.prepare(planned_tokens or len(ids) + engine.settings.generation.max_new_tokens)
         self.sync(ids, on_progress, cancel)
@@ -431,7 +438,7 @@ class Session(Turns[Conversation]):
         if engine.snapshots is None or report.prefilled < engine.settings.cache.snapshot_min_tokens:
             return report
         try:
-            report = replace(report, saved=self.save_snapshot())
+            report = replace(report, saved=self.save_snapshot(on_saving, cancel))
         except (SnapshotError, OSError) as e:
             report = replace(report, warnings=(*report.warnings, f"snapshot not saved: {e}"))
         self.last_prefill = report

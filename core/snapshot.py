@@ -50,10 +50,11 @@ import os
 import shutil
 import struct
 import tempfile
+import threading
 import time
 import weakref
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
@@ -82,6 +83,9 @@ SUFFIX = ".kvsnap"
 ALIGN = 64
 _PREAMBLE = struct.Struct("<8sIIQ")  # magic, version, header CRC-32, header length
 _CHUNK = 64 << 20  # bytes per write / checksum call: bounded temporaries, progress between
+# Written bytes are flushed to disk this often, so that the closing fsync of a snapshot of
+# gigabytes does not hold the writer for tens of seconds with no progress to show.
+_SYNC_BYTES = 256 << 20
 _STALE_TEMP_S = 600  # a temp file untouched this long belongs to a writer that died
 _MAX_HEADER = 64 << 20  # a longer header is damage, refused before it is read
 _MAX_DEPTH = 16  # nesting of the header's JSON; the format's own is 4
@@ -357,11 +361,15 @@ class SnapshotStore:
         model_name: str,
         settings: dict[str, object],
         prefill_tok_s: float | None = None,
+        on_progress: Callable[[int, int], None] | None = None,
+        cancel: threading.Event | None = None,
     ) -> SnapshotInfo:
         """Write a snapshot (or refresh the identical one already there) and return it.
 
         Makes room first by deleting the least recently used snapshots; refuses, before
         writing anything, a snapshot larger than the cap or than the free disk space.
+        `on_progress(bytes written, file size)` follows the write; `cancel` stops it, leaving
+        no file (SnapshotError).
         """
         if not tokens:
             raise SnapshotError("nothing to save: the cache holds no tokens")
@@ -404,7 +412,7 @@ class SnapshotStore:
                 f"the snapshot would take {format_size(size)} but {self.directory} has "
                 f"{format_size(free)} free"
             )
-        _write_atomically(path, header, sections)
+        _write_atomically(path, header, sections, on_progress, cancel)
         return self._read_info(path)
 
     def _make_room(self, incoming: int, cap: int) -> None:
@@ -632,8 +640,15 @@ def _encode(header: dict) -> bytes:
     return json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
 
 
-def _write_atomically(path: Path, header: dict, sections: list[tuple[str, torch.Tensor]]) -> None:
+def _write_atomically(
+    path: Path,
+    header: dict,
+    sections: list[tuple[str, torch.Tensor]],
+    on_progress: Callable[[int, int], None] | None = None,
+    cancel: threading.Event | None = None,
+) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    size, synced = header["file_size"], 0
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o600)  # the owner's alone, whatever the umask
@@ -647,6 +662,14 @@ def _write_atomically(path: Path, header: dict, sections: list[tuple[str, torch.
                     for piece in _byte_pieces(part):
                         f.write(piece)
                         crc = zlib.crc32(piece, crc)
+                        if cancel is not None and cancel.is_set():
+                            raise SnapshotError("stopped before it was written whole")
+                        if f.tell() - synced >= _SYNC_BYTES:
+                            f.flush()
+                            os.fsync(f.fileno())
+                            synced = f.tell()
+                        if on_progress is not None:
+                            on_progress(f.tell(), size)
                 entry["crc32"] = f"{crc:08x}"
             if f.tell() != header["file_size"]:
                 raise SnapshotError(f"wrote {f.tell()} bytes, expected {header['file_size']}")

@@ -34,6 +34,7 @@ from kvchat.native import build_reports
 
 from .messages import (
     LOAD_PHASE,
+    SAVE_PHASE,
     ConversationResumed,
     DocumentInfo,
     DocumentLoaded,
@@ -247,7 +248,10 @@ def open_pending(
     post(pending.announce(document_info(doc, len(ids))))
     report = progress_reporter(post, "prefill")
     report(0, len(prefix))
-    prefill = session.prefill_document(prefix, report, cancel)
+    saving = progress_reporter(post, SAVE_PHASE)
+    prefill = session.prefill_document(
+        prefix, report, cancel, on_saving=lambda done, size: saving(done >> 20, size >> 20)
+    )
     for warning in prefill.warnings:
         post(Notice(warning, title="snapshot", severity="warning"))
     return _ready(doc.name, len(prefix), prefill)

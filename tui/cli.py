@@ -148,11 +148,13 @@ def cmd_ask(args: argparse.Namespace) -> int:
     session = engine.new_session(conversation)
     cancel = threading.Event()
     try:
+        saving = ProgressLine("save snapshot (MiB)")
         report = session.prefill_document(
             conversation.document_prefix_ids(tokenizer),
             ProgressLine("prefill"),
             cancel,
             planned_tokens=len(prompt) + settings.generation.max_new_tokens,
+            on_saving=lambda done, size: saving(done >> 20, size >> 20),
         )
         _print_prefill_report(report)
         write_reply(

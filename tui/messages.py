@@ -21,6 +21,8 @@ from kvchat.native import BuildProgress
 
 # The phase of Progress while the model loads: it counts weight tensors and cannot be stopped.
 LOAD_PHASE = "load model"
+# The phase of Progress while a snapshot of the prefill is written: it counts MiB.
+SAVE_PHASE = "save snapshot"
 
 
 class ModelLoaded(Message):

@@ -11,7 +11,7 @@ from importlib import resources
 from textual.message import Message
 
 from kvchat.tui import bridge
-from kvchat.tui.messages import Notice
+from kvchat.tui.messages import SAVE_PHASE, Notice, Progress
 
 
 def test_loading_a_document_again_uses_its_snapshot_and_says_so(
@@ -52,3 +52,45 @@ def test_loading_a_document_again_uses_its_snapshot_and_says_so(
     [notice] = [m for m in posted if isinstance(m, Notice)]
     assert notice.severity == "warning" and notice.title == "snapshot"
     assert f"snapshot {snapshot.stem} is damaged" in notice.text
+
+
+def test_the_save_shows_its_progress_and_esc_during_it_keeps_the_document_alone(
+    engine_fp32, settings_fp32, tmp_path
+):
+    lc = replace(
+        settings_fp32.long_context,
+        chunk_size=64,
+        max_seq_len=4096,
+        block_size=32,
+        local_windows_len=128,
+        second_select_num=2,
+    )
+    cache = replace(settings_fp32.cache, snapshots=True, snapshot_min_tokens=64)
+    engine = engine_fp32.with_settings(replace(settings_fp32, long_context=lc, cache=cache))
+    engine.snapshot_dir = tmp_path / "snapshots"
+    text = resources.files("kvchat.core").joinpath("data/sample.txt").read_text()
+    doc = tmp_path / "harrow.txt"
+    doc.write_text(text[:1200])
+
+    posted: list[Message] = []
+    bridge.load_document(engine, [doc], posted.append, threading.Event())
+    saves = [m for m in posted if isinstance(m, Progress) and m.phase == SAVE_PHASE]
+    [snapshot] = engine.snapshot_dir.glob("*.kvsnap")
+    assert saves and saves[-1].done == saves[-1].total == snapshot.stat().st_size >> 20
+    snapshot.unlink()
+
+    # Esc as soon as the save reports: the document stays loaded, no snapshot is left.
+    cancel, posted = threading.Event(), []
+
+    def post(message: Message) -> None:
+        posted.append(message)
+        if isinstance(message, Progress) and message.phase == SAVE_PHASE:
+            cancel.set()
+
+    ready = bridge.load_document(engine, [doc], post, cancel)
+    assert "tokens prefilled" in ready and "saved as snapshot" not in ready
+    [notice] = [m for m in posted if isinstance(m, Notice)]
+    assert notice.text == "snapshot not saved: stopped before it was written whole"
+    assert list(engine.snapshot_dir.iterdir()) == []  # neither a snapshot nor a temp file
+    session = engine.session
+    assert session.tokens == session.conversation.document_prefix_ids(engine.tokenizer)

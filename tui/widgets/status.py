@@ -10,7 +10,7 @@ from textual.widgets import Label, ProgressBar, Static
 from kvchat.client.stats import ServerStats, reported
 from kvchat.core.engine import EngineStats
 from kvchat.native import BuildProgress
-from kvchat.tui.messages import LOAD_PHASE
+from kvchat.tui.messages import LOAD_PHASE, SAVE_PHASE
 
 
 class StatusLine(Static):
@@ -49,7 +49,7 @@ class StepProgress(Horizontal):
     def show(self, phase: str, done: int, total: int, elapsed: float) -> None:
         self.display = True
         self.query_one(ProgressBar).update(total=max(total, 1), progress=done)
-        unit = {"tokenize": "chars", LOAD_PHASE: "tensors"}.get(phase, "tok")
+        unit = {"tokenize": "chars", LOAD_PHASE: "tensors", SAVE_PHASE: "MiB"}.get(phase, "tok")
         stops = "" if phase == LOAD_PHASE else "  (Esc stops)"
         rate = done / elapsed if elapsed > 0 else 0.0
         eta = f"{(total - done) / rate:.0f} s" if rate > 0 else "—"
