@@ -1,6 +1,7 @@
 """The app's document-loading step with KV snapshots, on the real SmolLM2: the second load of
 a document comes from its snapshot and says how much time that saved; a damaged snapshot is
-reported as a warning notice and the document is prefilled as usual."""
+reported as a warning notice and the document is prefilled as usual; the save shows its
+progress and Esc during it skips the snapshot."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from kvchat.tui import bridge
 from kvchat.tui.messages import SAVE_PHASE, Notice, Progress
 
 
-def test_loading_a_document_again_uses_its_snapshot_and_says_so(
-    engine_fp32, settings_fp32, tmp_path
-):
+def small_engine_and_document(engine_fp32, settings_fp32, tmp_path):
+    """An engine saving snapshots of prefills from 64 tokens into tmp_path, and a ~300-token
+    document file."""
     lc = replace(
         settings_fp32.long_context,
         chunk_size=64,
@@ -31,6 +32,13 @@ def test_loading_a_document_again_uses_its_snapshot_and_says_so(
     text = resources.files("kvchat.core").joinpath("data/sample.txt").read_text()
     doc = tmp_path / "harrow.txt"
     doc.write_text(text[:1200])
+    return engine, doc
+
+
+def test_loading_a_document_again_uses_its_snapshot_and_says_so(
+    engine_fp32, settings_fp32, tmp_path
+):
+    engine, doc = small_engine_and_document(engine_fp32, settings_fp32, tmp_path)
 
     posted: list[Message] = []
     first = bridge.load_document(engine, [doc], posted.append, threading.Event())
@@ -57,20 +65,7 @@ def test_loading_a_document_again_uses_its_snapshot_and_says_so(
 def test_the_save_shows_its_progress_and_esc_during_it_keeps_the_document_alone(
     engine_fp32, settings_fp32, tmp_path
 ):
-    lc = replace(
-        settings_fp32.long_context,
-        chunk_size=64,
-        max_seq_len=4096,
-        block_size=32,
-        local_windows_len=128,
-        second_select_num=2,
-    )
-    cache = replace(settings_fp32.cache, snapshots=True, snapshot_min_tokens=64)
-    engine = engine_fp32.with_settings(replace(settings_fp32, long_context=lc, cache=cache))
-    engine.snapshot_dir = tmp_path / "snapshots"
-    text = resources.files("kvchat.core").joinpath("data/sample.txt").read_text()
-    doc = tmp_path / "harrow.txt"
-    doc.write_text(text[:1200])
+    engine, doc = small_engine_and_document(engine_fp32, settings_fp32, tmp_path)
 
     posted: list[Message] = []
     bridge.load_document(engine, [doc], posted.append, threading.Event())
