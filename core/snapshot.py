@@ -59,6 +59,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -648,28 +649,12 @@ def _write_atomically(
     cancel: threading.Event | None = None,
 ) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    size, synced = header["file_size"], 0
     try:
         with os.fdopen(fd, "wb") as f:
             os.fchmod(f.fileno(), 0o600)  # the owner's alone, whatever the umask
             f.seek(header["sections"][0]["offset"])
             for entry, (_, tensor) in zip(header["sections"], sections, strict=True):
-                rows, row = _rows(entry["shape"], entry["nbytes"])
-                pitched = entry["pitch"] != row
-                crc = 0
-                for i, part in enumerate(tensor if pitched else [tensor]):
-                    f.write(b"\0" * (entry["offset"] + i * entry["pitch"] - f.tell()))
-                    for piece in _byte_pieces(part):
-                        f.write(piece)
-                        crc = zlib.crc32(piece, crc)
-                        if cancel is not None and cancel.is_set():
-                            raise SnapshotError("stopped before it was written whole")
-                        if f.tell() - synced >= _SYNC_BYTES:
-                            f.flush()
-                            os.fsync(f.fileno())
-                            synced = f.tell()
-                        if on_progress is not None:
-                            on_progress(f.tell(), size)
+                crc = _write_section(f, entry, tensor, header["file_size"], on_progress, cancel)
                 entry["crc32"] = f"{crc:08x}"
             if f.tell() != header["file_size"]:
                 raise SnapshotError(f"wrote {f.tell()} bytes, expected {header['file_size']}")
@@ -690,6 +675,33 @@ def _write_atomically(
             os.fsync(dir_fd)
         finally:
             os.close(dir_fd)
+
+
+def _write_section(
+    f: BinaryIO,
+    entry: dict,
+    tensor: torch.Tensor,
+    size: int,
+    on_progress: Callable[[int, int], None] | None,
+    cancel: threading.Event | None,
+) -> int:
+    """Write a section's rows at their offsets (zeros in the gaps); returns its CRC-32."""
+    _, row = _rows(entry["shape"], entry["nbytes"])
+    crc = 0
+    for i, part in enumerate(tensor if entry["pitch"] != row else [tensor]):
+        f.write(b"\0" * (entry["offset"] + i * entry["pitch"] - f.tell()))
+        for piece in _byte_pieces(part):
+            start = f.tell()
+            f.write(piece)
+            crc = zlib.crc32(piece, crc)
+            if cancel is not None and cancel.is_set():
+                raise SnapshotError("stopped before it was written whole")
+            if start // _SYNC_BYTES != f.tell() // _SYNC_BYTES:
+                f.flush()
+                os.fsync(f.fileno())
+            if on_progress is not None:
+                on_progress(f.tell(), size)
+    return crc
 
 
 def _byte_pieces(t: torch.Tensor) -> Iterator[np.ndarray]:
