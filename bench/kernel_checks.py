@@ -229,6 +229,54 @@ def check_append(
     return _result("write_blocks", case, differing.item(), 0)
 
 
+# |kernel - reference| of a weight product, over the sum of |x| |w| along the row: the weight
+# rounded to the compute dtype when the layer unpacks it, the output rounded once.
+LINEAR_RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
+GROUP_FORMATS = ("int4", "int8 per 32", "int8 per 16 with minimums")
+
+
+def check_groups_linear(
+    device: torch.device | str,
+    dtype: torch.dtype,
+    groups_format: str,
+    rows: int,
+    n: int = 72,
+    k: int = 160,
+    seed: int = 5,
+) -> CheckResult:
+    """core/triton_linear.py's layer on `groups_format` groups (GROUP_FORMATS) against the
+    product with their exact fp32 weight, in fp64 on the CPU; `rows` below and above
+    UNPACK_ROWS take its two paths. n and k leave ragged tiles."""
+    from kvchat.core.triton_linear import TritonGroupsLinear
+    from kvchat.core.weights import Int4Groups, Int8Groups
+
+    gen = torch.Generator().manual_seed(seed)
+    if groups_format == "int4":
+        groups = Int4Groups(
+            torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
+            torch.rand(n, k // 32, generator=gen) * 0.1,
+            torch.randn(n, k // 32, generator=gen) * 0.5,
+        )
+    else:
+        size = 32 if groups_format == "int8 per 32" else 16
+        minimum = torch.randn(n, k // size, generator=gen) if size == 16 else None
+        groups = Int8Groups(
+            torch.randint(-128, 128, (n, k), generator=gen, dtype=torch.int8),
+            torch.rand(n, k // size, generator=gen) * 0.01,
+            minimum,
+        )
+    bias = torch.randn(n, generator=gen)
+    x = torch.randn(rows, k, generator=gen).to(dtype)
+    dev = torch.device(device)
+    layer = TritonGroupsLinear(groups, bias.to(device=dev, dtype=dtype), dev, dtype)
+    got = layer(x.to(dev))
+    w = groups.dequantize().double()
+    want = torch.nn.functional.linear(x.double(), w, bias.to(dtype).double())
+    tol = LINEAR_RTOL[dtype] * (x.double().abs() @ w.abs().t()).max().item()
+    case = f"{_name(dtype)} {groups_format} rows={rows} N={n} K={k}"
+    return _result("groups_linear", case, _err(got, want), tol)
+
+
 def run_all(
     ops: AttentionOps, device: torch.device | str, dtypes: list[torch.dtype], large: bool
 ) -> list[CheckResult]:
@@ -254,4 +302,8 @@ def run_all(
         for anchor_type in ANCHOR_TYPES:
             for mode in HEAD_SELECT_MODES:
                 results.append(check_scoring(ops, device, dtype, anchor_type, mode, 4, blocks, dim))
+        if ops.name == "triton":  # the weight products run through Triton wherever it does
+            for groups_format in GROUP_FORMATS:
+                for rows in (1, 3, 40):
+                    results.append(check_groups_linear(device, dtype, groups_format, rows))
     return results

@@ -5,7 +5,8 @@ activations they run as int4 and read a quarter of the bytes: through core/csrc/
 where it has a vector path for the CPU (AVX-512 VNNI, AVX2), else through PyTorch's int4
 group-32 kernel. Q8_0 and Q5_0 weights are exact 8-bit integers in groups of 32, Q6_K's in
 groups of 16, and run as int8 through core/csrc/decoder_ops.cpp, reading half the bytes.
-Every other case is a plain matrix in the compute dtype.
+On CUDA both kinds of groups run through Triton (core/triton_linear.py). Every other case is
+a plain matrix in the compute dtype.
 
 Products of many rows in bf16 run in hardware where the CPU has bf16 products
 (kvchat.native.cpu); elsewhere torch emulates them at a fraction of fp32's speed, so they run in
@@ -23,6 +24,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from kvchat.kv.kernels import triton_available
 from kvchat.native.cpu import widened_products
 
 from .int4_layer import Int4Pack, pack_int4
@@ -291,12 +293,14 @@ class LinearKind(enum.Enum):
     PACKED_INT4 = "packed int4"  # PackedInt4Linear
     TORCH_INT4 = "torch int4"  # Int4Linear
     INT8 = "int8"  # Int8Linear
+    TRITON_INT4 = "triton int4"  # core/triton_linear.TritonGroupsLinear on int4 groups
+    TRITON_INT8 = "triton int8"  # and on int8 groups
     DENSE = "dense"  # DenseLinear
 
     @property
     def format(self) -> str | None:
         """Linear.format of its layers; None for DENSE (the compute dtype)."""
-        return {"packed int4": "int4", "torch int4": "int4", "int8": "int8"}.get(self.value)
+        return None if self is LinearKind.DENSE else self.value.split()[-1]
 
 
 def linear_kind(
@@ -310,11 +314,14 @@ def linear_kind(
     ops: ModuleType | None,
 ) -> LinearKind:
     """The kind of layer for a projection whose every part has int4 groups (`int4`) or int8
-    groups (`int8`): the file's groups run as they are on the CPU, along whole groups of
-    inputs; int8 needs the C++ products and bf16 activations."""
+    groups (`int8`): the file's groups run as they are, along whole groups of inputs, on the
+    CPU (int8 there needs the C++ products and bf16 activations) and on CUDA through Triton."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight format {weight_format!r}; choose one of {WEIGHT_FORMATS}")
-    grouped = weight_format == "int4" and device.type == "cpu" and in_features % GROUP_SIZE == 0
+    whole = weight_format == "int4" and in_features % GROUP_SIZE == 0
+    if whole and device.type == "cuda" and triton_available() and (int4 or int8):
+        return LinearKind.TRITON_INT4 if int4 else LinearKind.TRITON_INT8
+    grouped = whole and device.type == "cpu"
     if grouped and int4:
         own = ops is not None and ops.int4_vectorized and dtype == torch.bfloat16
         return LinearKind.PACKED_INT4 if own and out_features % 16 == 0 else LinearKind.TORCH_INT4
@@ -347,6 +354,10 @@ def planned_bytes(
     if kind is LinearKind.INT8:
         padded = n + -n % 16
         return held + padded * k + padded * (k // group_size) * 4 * (2 if minimum else 1)
+    if kind is LinearKind.TRITON_INT4:  # fp32 scales and minimums
+        return held + n * k // 2 + 2 * groups * 4
+    if kind is LinearKind.TRITON_INT8:
+        return held + n * k + n * (k // group_size) * 4 * (2 if minimum else 1)
     if widened_products(device, dtype):
         copy = 4
     else:
@@ -391,5 +402,10 @@ def make_linear(
         return Int4Linear(Int4Groups.cat(int4()), bias, dtype)  # type: ignore[misc]
     if kind is LinearKind.INT8:
         return Int8Linear(Int8Groups.cat(int8()), bias, ops, dtype)  # type: ignore[arg-type,misc]
+    if kind in (LinearKind.TRITON_INT4, LinearKind.TRITON_INT8):
+        from .triton_linear import TritonGroupsLinear  # imports Triton: only where it runs
+
+        groups = Int4Groups.cat(int4()) if int4 is not None else Int8Groups.cat(int8())  # type: ignore[misc]
+        return TritonGroupsLinear(groups, bias, device, dtype)
     weight = torch.cat(dense()).to(device=device, dtype=dtype).contiguous()
     return DenseLinear(weight, bias)
