@@ -66,18 +66,15 @@ def fitting_settings(
     return replace(settings, long_context=replace(lc, max_seq_len=needed))
 
 
-def needle_blocks(engine: Engine, document: str, needles: Sequence[str]) -> list[int] | None:
-    """The cache blocks that hold the first characters of each needle string (None for the
-    dense cache)."""
+def needle_blocks(engine: Engine, document: str, offsets: Sequence[int]) -> list[int] | None:
+    """The cache blocks that hold the characters of `document` at `offsets`, where each value
+    the answer must copy begins (None for the dense cache)."""
     if engine.settings.long_context.attention == AttentionMode.DENSE:
         return None
     tokenizer = engine.tokenizer
     block = engine.settings.long_context.block_size
     prefix = engine.session.conversation.document_prefix_length(tokenizer)
-    return [
-        (prefix + len(tokenizer.encode_long(document[: document.index(needle)]))) // block
-        for needle in needles
-    ]
+    return [(prefix + len(tokenizer.encode_long(document[:offset]))) // block for offset in offsets]
 
 
 def needle_recall(cache: CacheStats, needles: Sequence[int] | None) -> float | None:

@@ -76,6 +76,15 @@ class Problem:
     expected: list[str]
     asked: list[str]
 
+    def value_offsets(self, document: str) -> list[int]:
+        """Where each expected value begins in `document`, inside the sentence that states it.
+        A block boundary may split a sentence; the answer copies the value, so its block is
+        the one the model must read."""
+        return [
+            document.index(sentence) + sentence.rindex(value)
+            for sentence, value in zip(self.asked, self.expected, strict=True)
+        ]
+
 
 def needle_sentence(key: str, value: str, kind: ValueKind) -> str:
     noun = "numbers" if kind is ValueKind.NUMBER else "uuids"

@@ -63,7 +63,7 @@ class _Cells:
         params = greedy(engine.settings.generation, spec.max_new_tokens)
         prompt = conversation.prompt_ids(tokenizer, problem.question)
         engine.check_fits(len(prompt), params.max_new_tokens)  # refuse before any work
-        blocks = needle_blocks(engine, document, problem.asked)
+        blocks = needle_blocks(engine, document, problem.value_offsets(document))
         started = time.perf_counter()
         for ids in (conversation.document_prefix_ids(tokenizer), prompt):
             if self.on_progress is not None:

@@ -73,7 +73,7 @@ def _run_cell(
     answer = "".join(session.ask(PASSKEY_QUESTION, params, on_progress=on_progress))
     seconds = time.perf_counter() - started
     stats = engine.stats()
-    blocks = needle_blocks(engine, document, [str(passkey)])
+    blocks = needle_blocks(engine, document, [document.index(str(passkey))])
     return {
         "length": length,
         "depth": depth,

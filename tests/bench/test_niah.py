@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import random
 
 import pytest
 
-from kvchat.bench.needles import Task, TaskSpec
+from kvchat.bench.grid import needle_blocks
+from kvchat.bench.needles import Task, TaskSpec, make_problem
 from kvchat.bench.niah import run_niah_bench
 from kvchat.config import load_settings
 from kvchat.tui.cli import main
@@ -48,6 +50,27 @@ def test_sparse_and_dense_cells() -> None:
     assert any(line.startswith(" overall") for line in lines)
     # two prefills a cell (the document, then the question), each announced with (0, n)
     assert [done for done, _ in progress].count(0) == 4
+
+
+def test_a_needle_split_by_a_block_boundary_counts_the_block_of_its_value(engine_fp32) -> None:
+    # The needle's first tokens end block 1 and its value lies in block 2: the answer copies
+    # the value, so block 2 is the one whose selection counts as recall.
+    tokenizer = engine_fp32.tokenizer
+    block = engine_fp32.settings.long_context.block_size
+    problem = make_problem(TaskSpec(Task.SINGLE), 0.5, random.Random(0))
+    (sentence,), (value,) = problem.asked, problem.expected
+    conversation = engine_fp32.new_session().conversation
+    conversation.document_ids = tokenizer.encode_long("Sky")  # the template around a document
+    prefix = conversation.document_prefix_length(tokenizer)
+    words = 2 * block - prefix - 3
+    while len(tokenizer.encode_long("Sky" + " blue" * words)) + prefix > 2 * block - 3:
+        words -= 1
+    document = "Sky" + " blue" * words + " " + sentence + " The end."
+    start = document.index(sentence)
+    value_at = start + sentence.rindex(value)
+    assert needle_blocks(engine_fp32, document, [start]) == [1]
+    assert needle_blocks(engine_fp32, document, problem.value_offsets(document)) == [2]
+    assert problem.value_offsets(document) == [value_at]
 
 
 @pytest.mark.slow
