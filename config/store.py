@@ -23,6 +23,16 @@ from .upgrade import is_whole_file, mark_upgraded, upgrade
 from .validate import Problem, build_settings, did_you_mean, fail, kind, validate_settings
 from .yamltext import edit_values, parse, settings_file_text
 
+# The model every command loads unless --model names one, over the settings file's; for a
+# shell (or a test suite) that works with another model than the settings name.
+MODEL_ENV = "KVCHAT_MODEL"
+
+
+def env_overrides() -> list[str]:
+    """The overrides the environment sets: model.path from $KVCHAT_MODEL when it is not empty."""
+    model = os.environ.get(MODEL_ENV)
+    return [f"model.path={model}"] if model else []
+
 
 def default_config_path() -> Path:
     return folder_for(Place.CONFIG) / "config.yaml"
@@ -42,13 +52,18 @@ class LoadedSettings:
 
 
 def load_settings(
-    path: Path | None = None, overrides: Sequence[str] = (), create: bool = True
+    path: Path | None = None,
+    overrides: Sequence[str] = (),
+    create: bool = True,
+    environment: bool = True,
 ) -> LoadedSettings:
     """Read the settings file, fill in defaults for missing keys, validate, apply overrides.
 
     When `create` is true, a missing file is created from the packaged default (reported
     as a warning when it cannot be), and a file written whole by an earlier kvchat is
-    upgraded once (config/upgrade.py, reported as a warning). Unknown keys become warnings;
+    upgraded once (config/upgrade.py, reported as a warning). With `environment`,
+    $KVCHAT_MODEL applies before `overrides`, so a `--set model.path=...` still wins; saves
+    read the file without it, so it never reaches the file. Unknown keys become warnings;
     anything invalid raises ConfigError.
     """
     path = Path(path) if path is not None else default_config_path()
@@ -71,7 +86,7 @@ def load_settings(
     settings = settings_from_text(text, str(path), warnings)
     if create and not created and is_whole_file(text):
         settings = _upgrade(path, warnings)
-    settings = apply_overrides(settings, overrides)
+    settings = apply_overrides(settings, [*(env_overrides() if environment else ()), *overrides])
     return LoadedSettings(settings=settings, path=path, warnings=warnings, created=created)
 
 
@@ -165,7 +180,7 @@ def save_settings(settings: Settings, path: Path) -> None:
         keys = None
         if path.is_file():
             with contextlib.suppress(ConfigError):
-                keys = changed_keys(load_settings(path, create=False).settings, settings)
+                keys = changed_keys(_file_settings(path), settings)
         _write_settings(settings, path, keys)
 
 
@@ -179,8 +194,7 @@ def save_changes(path: Path, old: Settings, new: Settings) -> None:
     """
     path = Path(path)
     with _save_lock(path):
-        # create=False: this process holds the lock load_settings takes to create a file.
-        settings = load_settings(path, create=False).settings
+        settings = _file_settings(path)
         keys = changed_keys(old, new)
         for key in keys:
             settings = replace_key(settings, key, value_of(new, key))
@@ -201,6 +215,12 @@ def _save_lock(path: Path) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # closing it releases the lock
+
+
+def _file_settings(path: Path) -> Settings:
+    """The settings the file at `path` holds, as a save must keep them: no environment.
+    create=False: the caller holds the lock load_settings takes to create a file."""
+    return load_settings(path, create=False, environment=False).settings
 
 
 def _write_settings(settings: Settings, path: Path, keys: Sequence[str] | None = None) -> None:
@@ -264,7 +284,7 @@ def set_values(path: Path, assignments: Sequence[str]) -> list[tuple[str, Any, A
     returns (key, old, new) for each value that changed."""
     if not assignments:
         raise ConfigError("nothing to set: give SECTION.KEY=VALUE, e.g. long_context.kv_type=INT8")
-    old = load_settings(path).settings
+    old = load_settings(path, environment=False).settings
     return _save_edit(path, old, apply_overrides(old, assignments))
 
 
@@ -275,7 +295,7 @@ def reset_values(path: Path, keys: Sequence[str] = ()) -> list[tuple[str, Any, A
     for key in keys:
         if key not in every:
             raise ConfigError(f"unknown key {key!r}{did_you_mean(key, every)}")
-    old, defaults = load_settings(path).settings, Settings()
+    old, defaults = load_settings(path, environment=False).settings, Settings()
     new = old
     for key in keys or every:
         new = replace_key(new, key, value_of(defaults, key))

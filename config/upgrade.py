@@ -20,6 +20,7 @@ WHOLE_FILE_HEADER = """\
 
 # Defaults of earlier releases that measurements have since replaced.
 EARLIER_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "model.path": ("smollm2-135m",),
     "long_context.chunk_size": (4096,),
     "long_context.max_seq_len": (32768,),
     "long_context.local_windows_len": (4096,),

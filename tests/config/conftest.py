@@ -7,6 +7,12 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(autouse=True)
+def no_model_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The settings as a user's shell gives them: the suite's $KVCHAT_MODEL unset."""
+    monkeypatch.delenv("KVCHAT_MODEL", raising=False)
+
+
 @pytest.fixture
 def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A fresh $KVCHAT_HOME that does not exist yet (as on a first run)."""

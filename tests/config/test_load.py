@@ -256,8 +256,8 @@ def test_a_file_written_whole_is_upgraded_once_so_new_defaults_reach_it(write_co
     assert loaded.settings.generation.temperature == 0.7
     assert loaded.warnings == [
         f"{path}: the keys at their defaults are now commented out, so kvchat's defaults "
-        "reach you; now long_context.second_select_num: 32 -> 16, cache.snapshot_max_gib: "
-        "20.0 -> 0.0"
+        "reach you; now model.path: smollm2-135m -> qwen2.5-coder-0.5b, "
+        "long_context.second_select_num: 32 -> 16, cache.snapshot_max_gib: 20.0 -> 0.0"
     ]
     saved = path.read_text(encoding="utf-8")
     assert saved.startswith(HEADER)
@@ -279,3 +279,13 @@ def test_a_whole_file_the_editor_cannot_handle_is_kept_and_said_once(write_confi
     assert "cannot be edited line by line" in warning and "delete the keys" in warning
     assert path.read_text(encoding="utf-8") == HEADER + "model: {path: smollm2-135m, dtype: auto}\n"
     assert load_settings().warnings == []  # said once
+
+
+def test_kvchat_model_names_the_model_over_the_file_and_under_set(write_config, monkeypatch):
+    write_config("model:\n  path: from-the-file.gguf\n")
+    assert load_settings().settings.model.path == "from-the-file.gguf"
+    monkeypatch.setenv("KVCHAT_MODEL", "smollm2-135m")
+    assert load_settings().settings.model.path == "smollm2-135m"
+    assert load_settings(overrides=["model.path=x.gguf"]).settings.model.path == "x.gguf"
+    monkeypatch.setenv("KVCHAT_MODEL", "")
+    assert load_settings().settings.model.path == "from-the-file.gguf"

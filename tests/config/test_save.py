@@ -23,7 +23,7 @@ from kvchat.config import (
     save_settings,
     settings_file_text,
 )
-from kvchat.config.store import default_yaml
+from kvchat.config.store import default_yaml, set_values
 
 
 def _changed(settings: Settings) -> Settings:
@@ -221,10 +221,11 @@ def test_a_users_nested_mapping_is_not_mistaken_for_settings(write_config):
     assert load_settings().settings == changed
 
 
-def test_save_changes_writes_only_what_changed(home):
+def test_save_changes_writes_only_what_changed(home, monkeypatch):
     path = load_settings().path
     path.write_text(default_yaml().replace("  # seed: 0", "  seed: 7  # mine"), encoding="utf-8")
-    # This run's settings carry a --set override the file must not receive.
+    # This run's settings carry a --set override and a $KVCHAT_MODEL the file must not receive.
+    monkeypatch.setenv("KVCHAT_MODEL", "smollm2-135m")
     old = load_settings(overrides=["generation.max_new_tokens=8"]).settings
     new = dataclasses.replace(
         old, long_context=dataclasses.replace(old.long_context, second_select_num=8)
@@ -319,3 +320,10 @@ def test_a_key_the_user_set_to_the_default_stays_when_others_are_saved(home):
     save_changes(path, old, replace_key(old, "generation.seed", 3))
     lines = path.read_text(encoding="utf-8").splitlines()
     assert "  top_p: 1.0" in lines and "  seed: 3" in lines
+
+
+def test_config_set_never_writes_the_model_kvchat_model_names(home, monkeypatch):
+    path = load_settings().path
+    monkeypatch.setenv("KVCHAT_MODEL", "smollm2-135m")
+    assert set_values(path, ["generation.seed=3"]) == [("generation.seed", 0, 3)]
+    assert path.read_text(encoding="utf-8") == default_yaml().replace("  # seed: 0", "  seed: 3")

