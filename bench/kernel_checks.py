@@ -232,7 +232,7 @@ def check_append(
 # |kernel - reference| of a weight product, over the sum of |x| |w| along the row: the weight
 # rounded to the compute dtype when the layer unpacks it, the output rounded once.
 LINEAR_RTOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1.6e-2}
-GROUP_FORMATS = ("int4", "int8 per 32", "int8 per 16 with minimums")
+GROUP_FORMATS = ("int4", "int4 per 16", "int8 per 32", "int8 per 16 with minimums")
 
 
 def check_groups_linear(
@@ -251,11 +251,12 @@ def check_groups_linear(
     from kvchat.core.weights import Int4Groups, Int8Groups
 
     gen = torch.Generator().manual_seed(seed)
-    if groups_format == "int4":
+    if groups_format.startswith("int4"):
+        size = 16 if groups_format == "int4 per 16" else 32
         groups = Int4Groups(
             torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8),
-            torch.rand(n, k // 32, generator=gen) * 0.1,
-            torch.randn(n, k // 32, generator=gen) * 0.5,
+            torch.rand(n, k // size, generator=gen) * 0.1,
+            torch.randn(n, k // size, generator=gen) * 0.5,
         )
     else:
         size = 32 if groups_format == "int8 per 32" else 16

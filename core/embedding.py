@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .int4_layer import narrowed_scales
-from .weights import GROUP_SIZE, Int4Groups, Int8Groups
+from .weights import Int4Groups, Int8Groups
 
 
 class TokenTable(Protocol):
@@ -41,12 +41,13 @@ class DenseTable:
 
 class Int4Table:
     """The table as the file's 4-bit groups, two values a byte, scales and minimums in fp16
-    where fp16 holds them (Q4_0, Q4_1), else fp32 (Q4_K)."""
+    where fp16 holds them (Q4_0, Q4_1), else fp32 (the K-quants)."""
 
     format = "int4"
 
     def __init__(self, groups: Int4Groups, dtype: torch.dtype) -> None:
         q = groups.q
+        self.group = groups.group_size
         self.packed = q[:, 0::2] | (q[:, 1::2] << 4)
         self.scale, self.minimum = narrowed_scales(groups.scale, groups.minimum)
         self.dtype = dtype
@@ -55,7 +56,7 @@ class Int4Table:
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
         packed = self.packed[ids]
-        q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(len(ids), -1, GROUP_SIZE)
+        q = torch.stack([packed & 0x0F, packed >> 4], dim=-1).view(len(ids), -1, self.group)
         scale, minimum = self.scale[ids].float(), self.minimum[ids].float()
         rows = q.float() * scale[..., None] + minimum[..., None]
         return rows.view(len(ids), -1).to(self.dtype)

@@ -33,13 +33,15 @@ SUPPORTED_TYPES = frozenset(
     {T.F32, T.F16, T.BF16, T.Q8_0, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1}
     | {T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K}
 )
-# Types whose values are 4-bit integers with a scale and a minimum per 32.
-INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K})
-# Types whose values are integers that fit int8, with one scale per 32 (per 16: Q2_K, Q3_K,
-# Q6_K) and for Q5_1, Q5_K and Q2_K a minimum.
-INT8_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K, T.Q2_K, T.Q3_K})
+# Types whose values fit 4 bits, with a scale and a minimum per 32 (per 16: Q2_K, Q3_K).
+INT4_TYPES = frozenset({T.Q4_0, T.Q4_1, T.Q4_K, T.Q2_K, T.Q3_K})
+# Types whose values are integers that fit int8, with one scale per 32 (per 16: Q6_K) and
+# for Q5_1 and Q5_K a minimum.
+INT8_TYPES = frozenset({T.Q8_0, T.Q5_0, T.Q5_1, T.Q5_K, T.Q6_K})
 _PER_16 = frozenset({T.Q2_K, T.Q3_K, T.Q6_K})
-_WITH_MINIMUM = frozenset({T.Q5_1, T.Q5_K, T.Q2_K})
+_WITH_MINIMUM = frozenset({T.Q5_1, T.Q5_K})
+# Types whose scales fp16 cannot hold: the K-quants' products of an fp16 and an integer.
+_WIDE_SCALES = frozenset({T.Q4_K, T.Q2_K, T.Q3_K})
 # llama.cpp's converter interleaves the Q/K rows of these architectures (Qwen2 is left alone).
 PERMUTED_ARCHITECTURES = ("llama", "mistral")
 
@@ -73,8 +75,8 @@ def gguf_tensor_name(hf_name: str) -> str:
 
 
 def load_gguf(path: Path, on_progress: Callable[[int, int], None] | None = None) -> ModelWeights:
-    """Every decoder tensor of a GGUF file: int4 groups (Q4_0, Q4_1, Q4_K) and int8 groups
-    (Q8_0, Q5_0, Q5_1, Q2_K, Q3_K, Q5_K, Q6_K) for the types that keep them, float32 for
+    """Every decoder tensor of a GGUF file: int4 groups (Q4_0, Q4_1, Q4_K, Q2_K, Q3_K) and
+    int8 groups (Q8_0, Q5_0, Q5_1, Q5_K, Q6_K) for the types that keep them, float32 for
     all, each made from the file when read and not kept (LazyGroups, LazyTensors); the
     config, names, types and shapes are checked before anything is read.
     `on_progress(done, total)` follows the tensors as they are read."""
@@ -117,13 +119,13 @@ def load_gguf(path: Path, on_progress: Callable[[int, int], None] | None = None)
 
 def int4_scale_itemsize(type_names: list[str]) -> int:
     """Bytes of each scale and minimum of a projection whose int4 parts have these types:
-    fp16 holds Q4_0's and Q4_1's exactly, Q4_K's need fp32 (pack_int4)."""
-    return 4 if T.Q4_K.name in type_names else 2
+    fp16 holds Q4_0's and Q4_1's exactly, the K-quants' need fp32 (pack_int4)."""
+    return 4 if any(t.name in type_names for t in _WIDE_SCALES) else 2
 
 
-def int8_group_size(type_names: list[str]) -> int:
-    """Inputs per scale of a projection whose int8 parts have these types (Int8Groups.cat
-    takes the finest)."""
+def group_size(type_names: list[str]) -> int:
+    """Inputs per scale of a projection whose grouped parts have these types (Int4Groups.cat
+    and Int8Groups.cat take the finest)."""
     return 16 if any(t.name in type_names for t in _PER_16) else 32
 
 
@@ -407,12 +409,17 @@ def _plan(
 
 
 def _int4_groups(qtype: T, data: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(q, scale, minimum) of rows of a Q4_0 / Q4_1 / Q4_K tensor's data such that
+    """(q, scale, minimum) of rows of a Q4_0 / Q4_1 / Q4_K / Q2_K / Q3_K tensor's data, values
+    0..15 with a scale and a minimum per 32 (per 16 for Q2_K and Q3_K) such that
     q * scale + minimum is exact."""
     rows = data.shape[0]
     blocks = data.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
     if qtype == T.Q4_K:
         return _q4_k_groups(blocks)
+    if qtype == T.Q2_K:
+        return _q2_k_groups(blocks)
+    if qtype == T.Q3_K:
+        return _q3_k_groups(blocks)
     scale = _half(blocks[..., 0:2])
     if qtype == T.Q4_1:
         minimum, packed = _half(blocks[..., 2:4]), blocks[..., 4:]
@@ -436,17 +443,13 @@ def _q4_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
 
 
 def _int8_groups(qtype: T, data: np.ndarray) -> tuple[np.ndarray, ...]:
-    """(q, scale) of rows of a Q8_0, Q5_0, Q3_K or Q6_K tensor's data, int8 values q such that
-    q * scale is exact (a scale per 32 values, per 16 for Q3_K and Q6_K); (q, scale, minimum)
-    of a Q5_1, Q5_K or Q2_K one (per 16 for Q2_K), q * scale + minimum exact."""
+    """(q, scale) of rows of a Q8_0, Q5_0 or Q6_K tensor's data, int8 values q such that
+    q * scale is exact (a scale per 32 values, per 16 for Q6_K); (q, scale, minimum) of a Q5_1
+    or Q5_K one, q * scale + minimum exact."""
     rows = data.shape[0]
     blocks = data.reshape(rows, -1, GGML_QUANT_SIZES[qtype][1])
     if qtype == T.Q6_K:
         return _q6_k_groups(blocks)
-    if qtype == T.Q2_K:
-        return _q2_k_groups(blocks)
-    if qtype == T.Q3_K:
-        return _q3_k_groups(blocks)
     if qtype == T.Q5_K:
         return _q5_k_groups(blocks)
     if qtype == T.Q8_0:  # an fp16 scale, then 32 int8 values
@@ -492,7 +495,7 @@ def _k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _q2_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Q2_K super-blocks [rows, n, 84] as int8 values 0..3 with a scale d * sc and a minimum
+    """Q2_K super-blocks [rows, n, 84] as values 0..3 with a scale d * sc and a minimum
     -(dmin * m) per 16 (exact float32 products of an fp16 and a 4-bit integer, as gguf's)."""
     rows, n = blocks.shape[:2]
     scales = blocks[..., :16]
@@ -501,12 +504,13 @@ def _q2_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray
     # Each half of 128 values: 32 bytes, value 32 i + j at bits 2 i of byte j.
     shifts = np.array([0, 2, 4, 6], np.uint8)[:, None]
     q = (blocks[..., 16:80].reshape(rows, n, 2, 1, 32) >> shifts) & 0x03
-    return q.view(np.int8).reshape(rows, -1), scale.reshape(rows, -1), minimum.reshape(rows, -1)
+    return q.reshape(rows, -1), scale.reshape(rows, -1), minimum.reshape(rows, -1)
 
 
-def _q3_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Q3_K super-blocks [rows, n, 110] as int8 values -4..3 with a scale d * (sc - 32) per 16
-    (sc a 6-bit integer: exact in float32, as gguf computes it)."""
+def _q3_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Q3_K super-blocks [rows, n, 110] as values 0..7 with a scale d * (sc - 32) and a minimum
+    of -4 scales per 16: gguf's values -4..3 times the scale (sc a 6-bit integer: the products
+    are exact in float32, as gguf computes them, and so are q * scale + minimum)."""
     rows, n = blocks.shape[:2]
     packed = blocks[..., 96:108]
     # Sixteen 6-bit scales: low 4 bits in bytes 0..7 (low nibbles, then high), high 2 bits
@@ -516,12 +520,14 @@ def _q3_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc = (low.reshape(rows, n, 16) | (high.reshape(rows, n, 16) << 4)).view(np.int8) - np.int8(32)
     scale = _half(blocks[..., 108:110])[..., None] * sc.astype(np.float32)
     # Each half of 128 values: 32 bytes of 2-bit parts (value 32 i + j at bits 2 i of byte j);
-    # bit k of the 32 mask bytes' byte j clears 4 from value 32 k + j.
+    # bit k of the 32 mask bytes' byte j, where clear, takes 4 from value 32 k + j: so the value
+    # plus 4 is the 2-bit part plus 4 times that bit.
     shifts = np.array([0, 2, 4, 6], np.uint8)[:, None]
     two = (blocks[..., 32:96].reshape(rows, n, 2, 1, 32) >> shifts) & 0x03
     mask = (blocks[..., :32].reshape(rows, n, 1, 32) >> np.arange(8, dtype=np.uint8)[:, None]) & 1
-    q = two.reshape(rows, n, 8, 32).view(np.int8) - ((mask ^ 1) << 2).view(np.int8)
-    return q.reshape(rows, -1), scale.reshape(rows, -1)
+    q = two.reshape(rows, n, 8, 32) | (mask << 2)
+    scale = scale.reshape(rows, -1)
+    return q.reshape(rows, -1), scale, scale * np.float32(-4.0)
 
 
 def _q6_k_groups(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -2,8 +2,8 @@
 
 Through torch's int4 kernel a decode step on the CPU makes four calls a layer, each with its
 Python, its dispatch and its own fork and join of the threads, with the norms, the SiLU and the
-residual adds as separate calls between them. `Int4DecodeLayer` holds the layer's GGUF Q4_0 /
-Q4_1 weights in the layout of core/csrc/int4_layer.cpp and runs the layer around its attention
+residual adds as separate calls between them. `Int4DecodeLayer` holds the layer's GGUF 4-bit
+groups in the layout of core/csrc/int4_layer.cpp and runs the layer around its attention
 in two C++ calls: `qkv` (RMSNorm, then q, k and v) and `tail` (the output projection and residual,
 RMSNorm, the MLP and its residual), on the same packed weights as the layer's
 `PackedInt4Linear`s (core/linear.py), which run prefill chunks.
@@ -27,8 +27,8 @@ class Int4Pack:
     32 g + 8 c + j in its low nibble and 32 g + 8 c + 4 + j in its high one: a chunk's low
     (high) nibbles are 16 rows' 4 adjacent inputs, one row to a 32-bit lane, which one
     vpdpbusd multiplies by those 4 (broadcast) int8 inputs. scale and minimum are the file's
-    values, [N / 16, K / 32, 16]: fp16 (Q4_0, Q4_1) or, where fp16 does not hold them, fp32
-    (Q4_K's d * sc and dmin * m)."""
+    values, [N / 16, K / 32, 16] ([N / 16, K / 16, 16] for Q2_K's and Q3_K's per 16): fp16
+    (Q4_0, Q4_1) or, where fp16 does not hold them, fp32 (the K-quants' d * sc and dmin * m)."""
 
     packed: torch.Tensor  # uint8 [N / 16, 8 K]
     scale: torch.Tensor
@@ -51,7 +51,7 @@ def narrowed_scales(
     scale: torch.Tensor, minimum: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Int4 groups' scales and minimums in fp16 where fp16 holds both exactly (Q4_0, Q4_1),
-    else as they are (fp32: Q4_K's d * sc and dmin * m)."""
+    else as they are (fp32: the K-quants' d * sc and dmin * m)."""
     half_scale, half_minimum = scale.half(), minimum.half()
     if torch.equal(half_scale.float(), scale) and torch.equal(half_minimum.float(), minimum):
         return half_scale, half_minimum
@@ -72,7 +72,7 @@ def pack_int4(groups: Int4Groups) -> Int4Pack | None:
     packed = (q[..., 0] | (q[..., 1] << 4)).reshape(tiles, n_groups * 256).contiguous()
 
     def per_tile(t: torch.Tensor) -> torch.Tensor:
-        return t.view(tiles, 16, n_groups).transpose(1, 2).contiguous()
+        return t.view(tiles, 16, t.shape[1]).transpose(1, 2).contiguous()
 
     return Int4Pack(packed, per_tile(scale), per_tile(minimum))
 

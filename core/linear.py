@@ -97,7 +97,8 @@ class DenseLinear:
 
 
 class Int4Linear:
-    """y = x @ W.T with W = q * scale + minimum, q packed two per byte (CPU kernel)."""
+    """y = x @ W.T with W = q * scale + minimum per 32 inputs, q packed two per byte (torch's
+    CPU kernel, which takes groups of 32 and more)."""
 
     def __init__(self, groups: Int4Groups, bias: torch.Tensor | None, dtype: torch.dtype) -> None:
         self.out_features = groups.q.shape[0]
@@ -270,13 +271,14 @@ def part_runs(
     dtype: torch.dtype,
     device: torch.device,
     ops: ModuleType | None,
+    group_sizes: list[int],
 ) -> list[slice]:
     """The runs of consecutive parts of a fused projection (`out_sizes` rows each; `int4`,
-    `int8`: whether each has those groups) whose layers would be of one kind (linear_kind of
-    each part alone): one layer each."""
+    `int8`: whether each has those groups, of `group_sizes` inputs) whose layers would be of
+    one kind (linear_kind of each part alone): one layer each."""
     kinds = [
-        linear_kind(out, in_features, i4, i8, weight_format, dtype, device, ops)
-        for out, i4, i8 in zip(out_sizes, int4, int8, strict=True)
+        linear_kind(out, in_features, i4, i8, weight_format, dtype, device, ops, size)
+        for out, i4, i8, size in zip(out_sizes, int4, int8, group_sizes, strict=True)
     ]
     runs: list[slice] = []
     start = 0
@@ -312,10 +314,12 @@ def linear_kind(
     dtype: torch.dtype,
     device: torch.device,
     ops: ModuleType | None,
+    group_size: int = GROUP_SIZE,
 ) -> LinearKind:
     """The kind of layer for a projection whose every part has int4 groups (`int4`) or int8
-    groups (`int8`): the file's groups run as they are, along whole groups of inputs, on the
-    CPU (int8 there needs the C++ products and bf16 activations) and on CUDA through Triton."""
+    groups (`int8`), a scale per `group_size` inputs: the file's groups run as they are,
+    along whole groups of inputs, on the CPU (int8 there needs the C++ products and bf16
+    activations) and on CUDA through Triton."""
     if weight_format not in WEIGHT_FORMATS:
         raise ValueError(f"weight format {weight_format!r}; choose one of {WEIGHT_FORMATS}")
     whole = weight_format == "int4" and in_features % GROUP_SIZE == 0
@@ -323,8 +327,12 @@ def linear_kind(
         return LinearKind.TRITON_INT4 if int4 else LinearKind.TRITON_INT8
     grouped = whole and device.type == "cpu"
     if grouped and int4:
-        own = ops is not None and ops.int4_vectorized and dtype == torch.bfloat16
-        return LinearKind.PACKED_INT4 if own and out_features % 16 == 0 else LinearKind.TORCH_INT4
+        own = ops is not None and dtype == torch.bfloat16 and out_features % 16 == 0
+        # torch's int4 kernel takes groups of 32 and more: scales per 16 run through the C++
+        # products at any CPU level (one value at a time below AVX2).
+        if own and (ops.int4_vectorized or group_size < GROUP_SIZE):  # type: ignore[union-attr]
+            return LinearKind.PACKED_INT4
+        return LinearKind.TORCH_INT4 if group_size == GROUP_SIZE else LinearKind.DENSE
     if grouped and int8 and ops is not None and dtype == torch.bfloat16:
         return LinearKind.INT8
     return LinearKind.DENSE
@@ -342,11 +350,11 @@ def planned_bytes(
     minimum: bool = False,
 ) -> int:
     """The bytes a layer of `kind` holds (its `nbytes`), from the shapes alone: `group_size`
-    inputs per int8 scale, `scale_itemsize` of an int4 scale (2: fp16, 4: fp32), whether the
-    int8 groups have minimums."""
+    inputs per scale, `scale_itemsize` of an int4 scale (2: fp16, 4: fp32), whether the int8
+    groups have minimums."""
     n, k, item = out_features, in_features, dtype.itemsize
     held = n * item if bias else 0
-    groups = n * (k // GROUP_SIZE)
+    groups = n * (k // group_size)
     if kind is LinearKind.PACKED_INT4:
         return held + n * k // 2 + 2 * groups * scale_itemsize
     if kind is LinearKind.TORCH_INT4:
@@ -377,12 +385,14 @@ def make_linear(
     dtype: torch.dtype,
     device: torch.device,
     ops: ModuleType | None = None,
+    group_size: int = GROUP_SIZE,
 ) -> Linear:
     """One linear layer from row blocks fused along the output dim, kept in the file's int4 or
     int8 groups where every block has them (`int4`, `int8`: the blocks' groups, None where
-    some block has none; linear_kind), else a matrix of the blocks `dense` gives. Only what
-    is kept is read. `ops`: core/cpu_ops.py's module, whose int4 products replace torch's
-    where they run vectorized, and whose int8 products run the int8 groups."""
+    some block has none; the finest of them a scale per `group_size` inputs; linear_kind),
+    else a matrix of the blocks `dense` gives. Only what is kept is read. `ops`:
+    core/cpu_ops.py's module, whose int4 products replace torch's where they run vectorized
+    (and take scales per 16 everywhere), and whose int8 products run the int8 groups."""
     kind = linear_kind(
         out_features,
         in_features,
@@ -392,6 +402,7 @@ def make_linear(
         dtype,
         device,
         ops,
+        group_size,
     )
     bias = None if bias is None else bias.to(device=device, dtype=dtype)
     if kind is LinearKind.PACKED_INT4:

@@ -20,6 +20,7 @@ from kvchat.kv.sparse import CacheGeometry
 
 from . import cpu_ops
 from .embedding import DenseTable, Int4Table, Int8Table, TokenTable, grouped_table
+from .gguf_loader import group_size
 from .int4_layer import Int4DecodeLayer
 from .linear import (
     ConcatLinear,
@@ -121,8 +122,12 @@ class Transformer:
             keys = list(shapes)
             int4 = [key in weights.int4 for key in keys]
             int8 = [key in weights.int8 for key in keys]
+            types = [weights.file_types.get(key, "") for key in keys]
+            sizes = [group_size([t]) for t in types]
             parts = []
-            runs = part_runs(out_sizes, in_size, int4, int8, weight_format, dtype, self.device, ops)
+            runs = part_runs(
+                out_sizes, in_size, int4, int8, weight_format, dtype, self.device, ops, sizes
+            )
             for run in runs:
                 start, out = sum(out_sizes[: run.start]), sum(out_sizes[run])
                 parts.append(
@@ -137,6 +142,7 @@ class Transformer:
                         dtype,
                         self.device,
                         ops,
+                        group_size(types[run]),
                     )
                 )
             return parts[0] if len(parts) == 1 else ConcatLinear(parts)

@@ -10,7 +10,7 @@ from types import ModuleType
 import torch
 
 from .embedding import grouped_table, grouped_table_bytes
-from .gguf_loader import int4_scale_itemsize, int8_group_size, int8_has_minimum
+from .gguf_loader import group_size, int4_scale_itemsize, int8_has_minimum
 from .linear import LinearKind, linear_kind, part_runs, planned_bytes
 from .weights import ModelWeights
 
@@ -35,13 +35,22 @@ def planned_weights(
         keys = [f"{name}.weight" for name in names]
         int4 = [key in weights.int4 for key in keys]
         int8 = [key in weights.int8 for key in keys]
-        runs = part_runs(out_sizes, in_size, int4, int8, weight_format, dtype, device, ops)
+        all_types = [weights.file_types.get(key, "") for key in keys]
+        sizes = [group_size([t]) for t in all_types]
+        runs = part_runs(out_sizes, in_size, int4, int8, weight_format, dtype, device, ops, sizes)
         for run in runs:  # as Transformer builds them
-            out = sum(out_sizes[run])
+            out, types = sum(out_sizes[run]), all_types[run]
             kind = linear_kind(
-                out, in_size, int4[run.start], int8[run.start], weight_format, dtype, device, ops
+                out,
+                in_size,
+                int4[run.start],
+                int8[run.start],
+                weight_format,
+                dtype,
+                device,
+                ops,
+                group_size(types),
             )
-            types = [weights.file_types.get(key, "") for key in keys[run]]
             size = planned_bytes(
                 kind,
                 out,
@@ -49,7 +58,7 @@ def planned_weights(
                 dtype,
                 device,
                 bias,
-                int8_group_size(types),
+                group_size(types),
                 int4_scale_itemsize(types),
                 int8_has_minimum(types),
             )
@@ -70,7 +79,7 @@ def planned_weights(
             grouped == "int4",
             cfg.vocab_size,
             h,
-            int8_group_size(types),
+            group_size(types),
             int4_scale_itemsize(types),
             int8_has_minimum(types),
         )
@@ -98,7 +107,7 @@ def planned_weights(
             dtype,
             device,
             False,
-            int8_group_size(types),
+            group_size(types),
             minimum=int8_has_minimum(types),
         )
         add("int8", size)

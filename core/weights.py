@@ -21,8 +21,8 @@ from kvchat.config.home import Place, folder_for, private_folder
 
 from .model_config import ModelConfig
 
-# Int4Groups' group width along the input dimension, and Int8Groups' but for Q6_K's (GGUF
-# Q4_0 / Q4_1 / Q8_0 blocks, Q4_K's sub-blocks).
+# The groups' width along the input dimension (GGUF Q4_0 / Q4_1 / Q8_0 blocks, Q4_K's
+# sub-blocks), but for the scales per 16 of Q2_K, Q3_K and Q6_K.
 GROUP_SIZE = 32
 
 
@@ -32,27 +32,45 @@ class WeightsError(ValueError):
 
 @dataclass(frozen=True)
 class Int4Groups:
-    """A weight stored exactly as 4-bit integers in groups of 32 along the input dimension.
+    """A weight stored exactly as 4-bit integers with a scale and a minimum per group of 32
+    inputs (GGUF Q4_0, Q4_1, Q4_K) or of 16 (Q2_K's 2-bit and Q3_K's 3-bit values).
 
-    weight = q * scale + minimum, with scale and minimum repeated over each group of 32 inputs:
-    exactly the GGUF dequantization, so an int4 kernel fed these loses nothing.
+    weight = q * scale + minimum, with scale and minimum repeated over each group: exactly the
+    GGUF dequantization, so an int4 kernel fed these loses nothing.
     """
 
     q: torch.Tensor  # uint8 [out_features, in_features], values 0..15
-    scale: torch.Tensor  # float32 [out_features, in_features // 32]
-    minimum: torch.Tensor  # float32 [out_features, in_features // 32]
+    scale: torch.Tensor  # float32 [out_features, in_features // group_size]
+    minimum: torch.Tensor  # float32, as scale
+
+    @property
+    def group_size(self) -> int:
+        return self.q.shape[1] // self.scale.shape[1]
 
     def dequantize(self) -> torch.Tensor:
         """The float32 weight [out_features, in_features]."""
         rows = self.q.shape[0]
-        grouped = self.q.reshape(rows, -1, GROUP_SIZE).to(torch.float32)
+        grouped = self.q.reshape(rows, -1, self.group_size).to(torch.float32)
         return (grouped * self.scale[..., None] + self.minimum[..., None]).reshape(rows, -1)
+
+    def regrouped(self, group_size: int) -> Int4Groups:
+        """The same weight with a scale and minimum per `group_size` inputs (a divisor of
+        this one's)."""
+        repeats = self.group_size // group_size
+        return Int4Groups(
+            self.q,
+            self.scale.repeat_interleave(repeats, dim=1),
+            self.minimum.repeat_interleave(repeats, dim=1),
+        )
 
     @staticmethod
     def cat(groups: list[Int4Groups]) -> Int4Groups:
-        """Weights stacked along the output dimension (a fused projection)."""
+        """Weights stacked along the output dimension (a fused projection), on the finest
+        groups of any of them."""
         if len(groups) == 1:
             return groups[0]
+        size = min(g.group_size for g in groups)
+        groups = [g.regrouped(size) for g in groups]
         return Int4Groups(
             q=torch.cat([g.q for g in groups]),
             scale=torch.cat([g.scale for g in groups]),

@@ -1,9 +1,10 @@
-// GGUF Q4_0 / Q4_1 weights on the CPU in a packed layout of our own: int4_linear (products of
-// any number of rows; prefill chunks use it where bf16 products are not in hardware),
-// int4_dequantize (the bf16 weight, for the bf16 products of prefill chunks elsewhere), and
-// a decode token's pass through a layer's projections in two calls of an Int4Layer, qkv
-// (RMSNorm, then q, k and v) and tail (the output projection and the residual, RMSNorm, gate
-// and up, SiLU-and-multiply, down and the residual), each in one parallel region.
+// A GGUF's 4-bit groups (Q4_0, Q4_1, Q4_K, Q2_K, Q3_K) on the CPU in a packed layout of our
+// own: int4_linear (products of any number of rows; prefill chunks use it where bf16 products
+// are not in hardware), int4_dequantize (the bf16 weight, for the bf16 products of prefill
+// chunks elsewhere), and a decode token's pass through a layer's projections in two calls of
+// an Int4Layer, qkv (RMSNorm, then q, k and v) and tail (the output projection and the
+// residual, RMSNorm, gate and up, SiLU-and-multiply, down and the residual), each in one
+// parallel region.
 //
 // The weights are laid out by core/int4_layer.py's pack_int4: 16 output rows per vector, a
 // tile of 16 rows stored so that 64 bytes hold 8 adjacent inputs of each of the 16 rows (4 in
@@ -15,8 +16,10 @@
 // that a group's 8 products a row never overflow (|8 * 2 * 15 * 128| < 2^15), widened once a
 // group with vpmaddwd. Either way D = 256 sum q h + sum q l over a group (under 2^24, so exact
 // in fp32 too), which adds scale dx D + minimum X to each row, X = sum x in fp32. The scales
-// stay the file's values: fp16 for Q4_0 and Q4_1, fp32 for Q4_K (a sub-block's d * sc and
-// dmin * m, exact only in fp32); torch's int4 kernel rounds them to bf16.
+// stay the file's values: fp16 for Q4_0 and Q4_1, fp32 for the K-quants (a sub-block's
+// d * sc and dmin * m, exact only in fp32); torch's int4 kernel rounds them to bf16. Q2_K and
+// Q3_K have a scale and a minimum per 16 inputs: each half of a group has its own sums D and
+// X and its own scale.
 //
 // Why integer inputs: a nibble made a bf16 takes six vector ops for 64 products where the two
 // vpdpbusd take five for 128, so a bf16 kernel is bound by its arithmetic even with the
@@ -62,7 +65,7 @@ using kvchat::broadcast4;
 #endif
 
 // A weight in pack_int4's layout: K inputs, T tiles of 16 output rows, scales and minimums in
-// fp16 or, where `wide`, fp32.
+// fp16 or, where `wide`, fp32, P of them a group of 32 inputs (2: Q2_K's and Q3_K's per 16).
 struct Int4Matrix {
   const uint8_t* packed;
   const void* scale;
@@ -70,6 +73,7 @@ struct Int4Matrix {
   bool wide;
   int64_t K;
   int64_t T;
+  int P;
 };
 
 // Value `at` of a matrix's scales or minimums `p`.
@@ -94,8 +98,9 @@ inline __m256 scales8(const void* p, bool wide, int64_t at) {
 }
 #endif
 
-// parts = (packed uint8 [T, 8 K], scale and minimum fp16 or fp32 [T, K / 32, 16]), held
-// contiguous by the caller (the kernels keep pointers into them).
+// parts = (packed uint8 [T, 8 K], scale and minimum fp16 or fp32 [T, K / 32, 16] or, a scale
+// per 16 inputs, [T, K / 16, 16]), held contiguous by the caller (the kernels keep pointers
+// into them).
 Int4Matrix int4_matrix(const std::vector<torch::Tensor>& parts, int64_t K, const char* what) {
   TORCH_CHECK(parts.size() == 3, what, ": (packed, scale, minimum)");
   const auto& packed = parts[0];
@@ -109,12 +114,14 @@ Int4Matrix int4_matrix(const std::vector<torch::Tensor>& parts, int64_t K, const
   TORCH_CHECK(packed.is_contiguous() && scale.is_contiguous() && minimum.is_contiguous(), what,
               ": contiguous parts");
   const int64_t T = packed.dim() == 2 ? packed.size(0) : 0;
+  const int64_t per = scale.dim() == 3 ? scale.size(1) : 0;
   TORCH_CHECK(K % 32 == 0 && T > 0 && packed.size(1) == 8 * K && scale.dim() == 3 &&
-                  scale.size(0) == T && scale.size(1) == K / 32 && scale.size(2) == 16 &&
-                  minimum.sizes() == scale.sizes(),
-              what, ": packed [N / 16, 8 K], scale and minimum [N / 16, K / 32, 16] for ", K,
-              " inputs, K a multiple of 32");
-  return {packed.data_ptr<uint8_t>(), scale.data_ptr(), minimum.data_ptr(), wide, K, T};
+                  scale.size(0) == T && (per == K / 32 || per == K / 16) &&
+                  scale.size(2) == 16 && minimum.sizes() == scale.sizes(),
+              what, ": packed [N / 16, 8 K], scale and minimum [N / 16, K / 32 or K / 16, 16] for ",
+              K, " inputs, K a multiple of 32");
+  const int P = per == K / 32 ? 1 : 2;
+  return {packed.data_ptr<uint8_t>(), scale.data_ptr(), minimum.data_ptr(), wide, K, T, P};
 }
 
 const uint16_t* bf16_data(const torch::Tensor& t, int64_t numel, const char* what) {
@@ -137,42 +144,46 @@ inline __m256i bf16x16(__m512 x) {
 }
 
 // Output rows 16 t .. 16 (t + NT) for the input row x, NT tiles side by side: one tile's chain
-// of vpdpbusd waits on its latency, two keep the core busy.
-template <int NT>
+// of vpdpbusd waits on its latency, two keep the core busy. P scales a group: each covers
+// 4 / P of its chunks (P = 2: chunks 0-1 are inputs 0-15, chunks 2-3 inputs 16-31), whose
+// sums take their own scale, and their minimum the inputs' sum over those 32 / P.
+template <int NT, int P>
 void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out) {
   const int64_t K = m.K, G = K / 32;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 acc[NT];
   for (int i = 0; i < NT; ++i) acc[i] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512i high[NT], low[NT];
-    for (int i = 0; i < NT; ++i) {
-      high[i] = low[i] = _mm512_setzero_si512();
+    for (int i = 0; i < NT; ++i)
       kvchat::prefetch_bytes(m.packed + (t + i) * 8 * K + (g + 4) * 256, 256);
-    }
+    const __m512 dx = _mm512_set1_ps(x.scale[g]);
+    for (int p = 0; p < P; ++p) {
+      __m512i high[NT], low[NT];
+      for (int i = 0; i < NT; ++i) high[i] = low[i] = _mm512_setzero_si512();
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const int64_t k = 32 * g + 8 * c;
-      const __m512i h0 = broadcast4(x.high + k), h1 = broadcast4(x.high + k + 4);
-      const __m512i l0 = broadcast4(x.low + k), l1 = broadcast4(x.low + k + 4);
+      for (int c = 4 / P * p; c < 4 / P * (p + 1); ++c) {
+        const int64_t k = 32 * g + 8 * c;
+        const __m512i h0 = broadcast4(x.high + k), h1 = broadcast4(x.high + k + 4);
+        const __m512i l0 = broadcast4(x.low + k), l1 = broadcast4(x.low + k + 4);
 #pragma GCC unroll 2
-      for (int i = 0; i < NT; ++i) {
-        const __m512i w = _mm512_loadu_si512(m.packed + (t + i) * 8 * K + g * 256 + 64 * c);
-        const __m512i q0 = _mm512_and_si512(w, nibble);
-        const __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
-        high[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(high[i], q0, h0), q1, h1);
-        low[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(low[i], q0, l0), q1, l1);
+        for (int i = 0; i < NT; ++i) {
+          const __m512i w = _mm512_loadu_si512(m.packed + (t + i) * 8 * K + g * 256 + 64 * c);
+          const __m512i q0 = _mm512_and_si512(w, nibble);
+          const __m512i q1 = _mm512_and_si512(_mm512_srli_epi16(w, 4), nibble);
+          high[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(high[i], q0, h0), q1, h1);
+          low[i] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(low[i], q0, l0), q1, l1);
+        }
       }
-    }
-    const __m512 dx = _mm512_set1_ps(x.scale[g]), sum = _mm512_set1_ps(x.sums[g]);
-    for (int i = 0; i < NT; ++i) {
-      const int64_t at = ((t + i) * G + g) * 16;
-      const __m512 s = scales16(m.scale, m.wide, at);
-      const __m512 mn = scales16(m.minimum, m.wide, at);
-      const __m512 d =
-          _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high[i], 8), low[i]));
-      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s, dx), d, acc[i]);
-      acc[i] = _mm512_fmadd_ps(mn, sum, acc[i]);
+      const __m512 sum = _mm512_set1_ps(P == 1 ? x.sums[g] : x.half_sums[2 * g + p]);
+      for (int i = 0; i < NT; ++i) {
+        const int64_t at = (((t + i) * G + g) * P + p) * 16;
+        const __m512 s = scales16(m.scale, m.wide, at);
+        const __m512 mn = scales16(m.minimum, m.wide, at);
+        const __m512 d =
+            _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(high[i], 8), low[i]));
+        acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(s, dx), d, acc[i]);
+        acc[i] = _mm512_fmadd_ps(mn, sum, acc[i]);
+      }
     }
   }
   for (int i = 0; i < NT; ++i)
@@ -180,9 +191,10 @@ void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out
 }
 #elif KVCHAT_AVX2_INT
 // The same products on AVX2: each 64-byte chunk as two halves of 8 rows. A half's nibbles
-// times 4 inputs' h (and l) by vpmaddubsw, two 16-bit sums a row; the group's 8 of them (4
-// chunks, low and high nibbles) add up in 16 bits, then vpmaddwd makes them one int32 a row.
-template <int NT>
+// times 4 inputs' h (and l) by vpmaddubsw, two 16-bit sums a row; the group's (or with P = 2,
+// its 16 inputs') 8 of them (4 chunks, low and high nibbles) add up in 16 bits, then vpmaddwd
+// makes them one int32 a row.
+template <int NT, int P>
 void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out) {
   const int64_t K = m.K, G = K / 32;
   const __m256i nibble = _mm256_set1_epi8(0x0F);
@@ -190,44 +202,48 @@ void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out
   __m256 acc[NT][2];
   for (int i = 0; i < NT; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m256i high[NT][2], low[NT][2];
-    for (int i = 0; i < NT; ++i) {
-      high[i][0] = high[i][1] = low[i][0] = low[i][1] = _mm256_setzero_si256();
+    for (int i = 0; i < NT; ++i)
       kvchat::prefetch_bytes(m.packed + (t + i) * 8 * K + (g + 4) * 256, 256);
-    }
+    const __m256 dx = _mm256_set1_ps(x.scale[g]);
+    for (int p = 0; p < P; ++p) {
+      __m256i high[NT][2], low[NT][2];
+      for (int i = 0; i < NT; ++i)
+        high[i][0] = high[i][1] = low[i][0] = low[i][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
-    for (int c = 0; c < 4; ++c) {
-      const int64_t k = 32 * g + 8 * c;
-      const __m256i h0 = kvchat::broadcast4_256(x.high + k);
-      const __m256i h1 = kvchat::broadcast4_256(x.high + k + 4);
-      const __m256i l0 = kvchat::broadcast4_256(x.low + k);
-      const __m256i l1 = kvchat::broadcast4_256(x.low + k + 4);
+      for (int c = 4 / P * p; c < 4 / P * (p + 1); ++c) {
+        const int64_t k = 32 * g + 8 * c;
+        const __m256i h0 = kvchat::broadcast4_256(x.high + k);
+        const __m256i h1 = kvchat::broadcast4_256(x.high + k + 4);
+        const __m256i l0 = kvchat::broadcast4_256(x.low + k);
+        const __m256i l1 = kvchat::broadcast4_256(x.low + k + 4);
+        for (int i = 0; i < NT; ++i)
+          for (int half = 0; half < 2; ++half) {
+            const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+                m.packed + (t + i) * 8 * K + g * 256 + 64 * c + 32 * half));
+            const __m256i q0 = _mm256_and_si256(w, nibble);
+            const __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+            high[i][half] = _mm256_add_epi16(
+                high[i][half],
+                _mm256_add_epi16(_mm256_maddubs_epi16(q0, h0), _mm256_maddubs_epi16(q1, h1)));
+            low[i][half] = _mm256_add_epi16(
+                low[i][half],
+                _mm256_add_epi16(_mm256_maddubs_epi16(q0, l0), _mm256_maddubs_epi16(q1, l1)));
+          }
+      }
+      const __m256 sum = _mm256_set1_ps(P == 1 ? x.sums[g] : x.half_sums[2 * g + p]);
       for (int i = 0; i < NT; ++i)
         for (int half = 0; half < 2; ++half) {
-          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-              m.packed + (t + i) * 8 * K + g * 256 + 64 * c + 32 * half));
-          const __m256i q0 = _mm256_and_si256(w, nibble);
-          const __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
-          high[i][half] = _mm256_add_epi16(
-              high[i][half],
-              _mm256_add_epi16(_mm256_maddubs_epi16(q0, h0), _mm256_maddubs_epi16(q1, h1)));
-          low[i][half] = _mm256_add_epi16(
-              low[i][half],
-              _mm256_add_epi16(_mm256_maddubs_epi16(q0, l0), _mm256_maddubs_epi16(q1, l1)));
+          const int64_t at = (((t + i) * G + g) * P + p) * 16 + 8 * half;
+          const __m256 s = scales8(m.scale, m.wide, at);
+          const __m256 mn = scales8(m.minimum, m.wide, at);
+          const __m256i d = _mm256_add_epi32(
+              _mm256_slli_epi32(_mm256_madd_epi16(high[i][half], ones), 8),
+              _mm256_madd_epi16(low[i][half], ones));
+          acc[i][half] =
+              _mm256_fmadd_ps(_mm256_mul_ps(s, dx), _mm256_cvtepi32_ps(d), acc[i][half]);
+          acc[i][half] = _mm256_fmadd_ps(mn, sum, acc[i][half]);
         }
     }
-    const __m256 dx = _mm256_set1_ps(x.scale[g]), sum = _mm256_set1_ps(x.sums[g]);
-    for (int i = 0; i < NT; ++i)
-      for (int half = 0; half < 2; ++half) {
-        const int64_t at = ((t + i) * G + g) * 16 + 8 * half;
-        const __m256 s = scales8(m.scale, m.wide, at);
-        const __m256 mn = scales8(m.minimum, m.wide, at);
-        const __m256i d = _mm256_add_epi32(
-            _mm256_slli_epi32(_mm256_madd_epi16(high[i][half], ones), 8),
-            _mm256_madd_epi16(low[i][half], ones));
-        acc[i][half] = _mm256_fmadd_ps(_mm256_mul_ps(s, dx), _mm256_cvtepi32_ps(d), acc[i][half]);
-        acc[i][half] = _mm256_fmadd_ps(mn, sum, acc[i][half]);
-      }
   }
   for (int i = 0; i < NT; ++i)
     for (int half = 0; half < 2; ++half)
@@ -239,7 +255,7 @@ void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out
 // on CPUs without bf16 products): each weight chunk is loaded and split into nibbles once for
 // the R rows, where int4_tiles reloads it from L2 for every row. The arithmetic is
 // int4_tiles', in its order, so both give the same bits.
-template <int R>
+template <int R, int P>
 void int4_rows(const Int4Matrix& m, const QuantRow* x, int64_t t, int h, int64_t N,
                uint16_t* out) {
   const int64_t K = m.K, G = K / 32;
@@ -247,40 +263,44 @@ void int4_rows(const Int4Matrix& m, const QuantRow* x, int64_t t, int h, int64_t
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t g = 0; g < G; ++g) {
-    __m256i high[R], low[R];
-    for (int r = 0; r < R; ++r) high[r] = low[r] = _mm256_setzero_si256();
-    // Not unrolled: GCC then forms all four chunks' products before adding them and spills.
+  for (int64_t g = 0; g < G; ++g)
+    for (int p = 0; p < P; ++p) {
+      __m256i high[R], low[R];
+      for (int r = 0; r < R; ++r) high[r] = low[r] = _mm256_setzero_si256();
+      // Not unrolled: GCC then forms all four chunks' products before adding them and spills.
 #pragma GCC unroll 1
-    for (int c = 0; c < 4; ++c) {
-      const int64_t k = 32 * g + 8 * c;
-      const __m256i w = _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(m.packed + t * 8 * K + g * 256 + 64 * c + 32 * h));
-      const __m256i q0 = _mm256_and_si256(w, nibble);
-      const __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+      for (int c = 4 / P * p; c < 4 / P * (p + 1); ++c) {
+        const int64_t k = 32 * g + 8 * c;
+        const __m256i w = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(m.packed + t * 8 * K + g * 256 + 64 * c + 32 * h));
+        const __m256i q0 = _mm256_and_si256(w, nibble);
+        const __m256i q1 = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibble);
+        for (int r = 0; r < R; ++r) {
+          const __m256i h0 = kvchat::broadcast4_256(x[r].high + k);
+          const __m256i h1 = kvchat::broadcast4_256(x[r].high + k + 4);
+          const __m256i l0 = kvchat::broadcast4_256(x[r].low + k);
+          const __m256i l1 = kvchat::broadcast4_256(x[r].low + k + 4);
+          high[r] = _mm256_add_epi16(
+              high[r],
+              _mm256_add_epi16(_mm256_maddubs_epi16(q0, h0), _mm256_maddubs_epi16(q1, h1)));
+          low[r] = _mm256_add_epi16(
+              low[r],
+              _mm256_add_epi16(_mm256_maddubs_epi16(q0, l0), _mm256_maddubs_epi16(q1, l1)));
+        }
+      }
+      const int64_t at = ((t * G + g) * P + p) * 16 + 8 * h;
+      const __m256 s = scales8(m.scale, m.wide, at);
+      const __m256 mn = scales8(m.minimum, m.wide, at);
       for (int r = 0; r < R; ++r) {
-        const __m256i h0 = kvchat::broadcast4_256(x[r].high + k);
-        const __m256i h1 = kvchat::broadcast4_256(x[r].high + k + 4);
-        const __m256i l0 = kvchat::broadcast4_256(x[r].low + k);
-        const __m256i l1 = kvchat::broadcast4_256(x[r].low + k + 4);
-        high[r] = _mm256_add_epi16(
-            high[r],
-            _mm256_add_epi16(_mm256_maddubs_epi16(q0, h0), _mm256_maddubs_epi16(q1, h1)));
-        low[r] = _mm256_add_epi16(
-            low[r], _mm256_add_epi16(_mm256_maddubs_epi16(q0, l0), _mm256_maddubs_epi16(q1, l1)));
+        const __m256i d = _mm256_add_epi32(
+            _mm256_slli_epi32(_mm256_madd_epi16(high[r], ones), 8),
+            _mm256_madd_epi16(low[r], ones));
+        const float sum = P == 1 ? x[r].sums[g] : x[r].half_sums[2 * g + p];
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(x[r].scale[g])),
+                                 _mm256_cvtepi32_ps(d), acc[r]);
+        acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(sum), acc[r]);
       }
     }
-    const int64_t at = (t * G + g) * 16 + 8 * h;
-    const __m256 s = scales8(m.scale, m.wide, at);
-    const __m256 mn = scales8(m.minimum, m.wide, at);
-    for (int r = 0; r < R; ++r) {
-      const __m256i d = _mm256_add_epi32(_mm256_slli_epi32(_mm256_madd_epi16(high[r], ones), 8),
-                                         _mm256_madd_epi16(low[r], ones));
-      acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(s, _mm256_set1_ps(x[r].scale[g])),
-                               _mm256_cvtepi32_ps(d), acc[r]);
-      acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(x[r].sums[g]), acc[r]);
-    }
-  }
   for (int r = 0; r < R; ++r)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(out + r * N + 16 * t + 8 * h),
                      kvchat::bf16x8(acc[r]));
@@ -288,40 +308,52 @@ void int4_rows(const Int4Matrix& m, const QuantRow* x, int64_t t, int h, int64_t
 #endif
 
 #if !KVCHAT_VNNI && !KVCHAT_AVX2_INT
-// The same products one value at a time (CPUs without AVX2 or AVX-512 VNNI; core/linear.py
-// uses torch's kernel there, this keeps the op correct everywhere).
-template <int NT>
+// The same products one value at a time (CPUs without AVX2 or AVX-512 VNNI: core/linear.py
+// runs groups of 32 through torch's kernel there, and Q2_K's and Q3_K's scales per 16, which
+// that kernel cannot take, through these).
+template <int NT, int P>
 void int4_tiles(const Int4Matrix& m, const QuantRow& x, int64_t t, uint16_t* out) {
   const int64_t K = m.K, G = K / 32;
   for (int64_t row = 16 * t; row < 16 * (t + NT); ++row) {
     const int64_t tile = row / 16, r = row % 16;
     float acc = 0.f;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t at = (tile * G + g) * 16 + r;
-      const float s = scale_at(m.scale, m.wide, at);
-      const float mn = scale_at(m.minimum, m.wide, at);
-      int32_t dot = 0;
-      for (int c = 0; c < 4; ++c)
-        for (int j = 0; j < 4; ++j) {
-          const uint8_t b = m.packed[tile * 8 * K + g * 256 + 64 * c + 4 * r + j];
-          const int64_t k = 32 * g + 8 * c + j;
-          dot += (b & 15) * (256 * x.high[k] + x.low[k]) +
-                 (b >> 4) * (256 * x.high[k + 4] + x.low[k + 4]);
-        }
-      // The vector paths' arithmetic, in their order: the same sums give the same results.
-      acc = std::fma(s * x.scale[g], static_cast<float>(dot), acc);
-      acc = std::fma(mn, x.sums[g], acc);
-    }
+    for (int64_t g = 0; g < G; ++g)
+      for (int p = 0; p < P; ++p) {
+        const int64_t at = ((tile * G + g) * P + p) * 16 + r;
+        const float s = scale_at(m.scale, m.wide, at);
+        const float mn = scale_at(m.minimum, m.wide, at);
+        int32_t dot = 0;
+        for (int c = 4 / P * p; c < 4 / P * (p + 1); ++c)
+          for (int j = 0; j < 4; ++j) {
+            const uint8_t b = m.packed[tile * 8 * K + g * 256 + 64 * c + 4 * r + j];
+            const int64_t k = 32 * g + 8 * c + j;
+            dot += (b & 15) * (256 * x.high[k] + x.low[k]) +
+                   (b >> 4) * (256 * x.high[k + 4] + x.low[k + 4]);
+          }
+        // The vector paths' arithmetic, in their order: the same sums give the same results.
+        const float sum = P == 1 ? x.sums[g] : x.half_sums[2 * g + p];
+        acc = std::fma(s * x.scale[g], static_cast<float>(dot), acc);
+        acc = std::fma(mn, sum, acc);
+      }
     out[row] = float_to_bf16(acc);
   }
 }
 #endif
 
 // Output tiles [t0, t1) of m for the input row x: two at a time, then an odd last one.
-void int4_range(const Int4Matrix& m, const QuantRow& x, int64_t t0, int64_t t1, uint16_t* out) {
+template <int P>
+void int4_range_of(const Int4Matrix& m, const QuantRow& x, int64_t t0, int64_t t1,
+                   uint16_t* out) {
   int64_t t = t0;
-  for (; t + 1 < t1; t += 2) int4_tiles<2>(m, x, t, out);
-  if (t < t1) int4_tiles<1>(m, x, t, out);
+  for (; t + 1 < t1; t += 2) int4_tiles<2, P>(m, x, t, out);
+  if (t < t1) int4_tiles<1, P>(m, x, t, out);
+}
+
+void int4_range(const Int4Matrix& m, const QuantRow& x, int64_t t0, int64_t t1, uint16_t* out) {
+  if (m.P == 1)
+    int4_range_of<1>(m, x, t0, t1, out);
+  else
+    int4_range_of<2>(m, x, t0, t1, out);
 }
 
 #if KVCHAT_AVX2_INT
@@ -330,23 +362,32 @@ constexpr int64_t kRowBlock = 64;
 
 // The M rows by output tiles [t0, t1): in blocks of rows that go through each tile four at a
 // time (int4_rows; 4 rows keep their sums in 12 of the 16 vector registers).
-void int4_block(const Int4Matrix& m, const QuantRow* x, int64_t M, int64_t t0, int64_t t1,
-                uint16_t* out) {
+template <int P>
+void int4_block_of(const Int4Matrix& m, const QuantRow* x, int64_t M, int64_t t0, int64_t t1,
+                   uint16_t* out) {
   const int64_t N = 16 * m.T;
   for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {
     const int64_t r1 = std::min(M, r0 + kRowBlock);
     for (int64_t t = t0; t < t1; ++t) {
       int64_t r = r0;
       for (; r + 4 <= r1; r += 4)
-        for (int h = 0; h < 2; ++h) int4_rows<4>(m, x + r, t, h, N, out + r * N);
+        for (int h = 0; h < 2; ++h) int4_rows<4, P>(m, x + r, t, h, N, out + r * N);
       for (int h = 0; h < 2; ++h) switch (r1 - r) {
-          case 3: int4_rows<3>(m, x + r, t, h, N, out + r * N); break;
-          case 2: int4_rows<2>(m, x + r, t, h, N, out + r * N); break;
-          case 1: int4_rows<1>(m, x + r, t, h, N, out + r * N); break;
+          case 3: int4_rows<3, P>(m, x + r, t, h, N, out + r * N); break;
+          case 2: int4_rows<2, P>(m, x + r, t, h, N, out + r * N); break;
+          case 1: int4_rows<1, P>(m, x + r, t, h, N, out + r * N); break;
           default: break;
         }
     }
   }
+}
+
+void int4_block(const Int4Matrix& m, const QuantRow* x, int64_t M, int64_t t0, int64_t t1,
+                uint16_t* out) {
+  if (m.P == 1)
+    int4_block_of<1>(m, x, M, t0, t1, out);
+  else
+    int4_block_of<2>(m, x, M, t0, t1, out);
 }
 #else
 void int4_block(const Int4Matrix& m, const QuantRow* x, int64_t M, int64_t t0, int64_t t1,
@@ -415,18 +456,19 @@ torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scale, torch::
   at::parallel_for(0, m.T, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t)
       for (int64_t g = 0; g < K / 32; ++g)
-        for (int r = 0; r < 16; ++r) {
-          const int64_t at = (t * (K / 32) + g) * 16 + r;
-          const float s = scale_at(m.scale, m.wide, at);
-          const float mn = scale_at(m.minimum, m.wide, at);
-          uint16_t* row = op + (16 * t + r) * K + 32 * g;
-          for (int c = 0; c < 4; ++c)
-            for (int j = 0; j < 4; ++j) {
-              const uint8_t b = m.packed[t * 8 * K + g * 256 + 64 * c + 4 * r + j];
-              row[8 * c + j] = float_to_bf16(static_cast<float>(b & 15) * s + mn);
-              row[8 * c + 4 + j] = float_to_bf16(static_cast<float>(b >> 4) * s + mn);
-            }
-        }
+        for (int p = 0; p < m.P; ++p)
+          for (int r = 0; r < 16; ++r) {
+            const int64_t at = ((t * (K / 32) + g) * m.P + p) * 16 + r;
+            const float s = scale_at(m.scale, m.wide, at);
+            const float mn = scale_at(m.minimum, m.wide, at);
+            uint16_t* row = op + (16 * t + r) * K + 32 * g;
+            for (int c = 4 / m.P * p; c < 4 / m.P * (p + 1); ++c)
+              for (int j = 0; j < 4; ++j) {
+                const uint8_t b = m.packed[t * 8 * K + g * 256 + 64 * c + 4 * r + j];
+                row[8 * c + j] = float_to_bf16(static_cast<float>(b & 15) * s + mn);
+                row[8 * c + 4 + j] = float_to_bf16(static_cast<float>(b >> 4) * s + mn);
+              }
+          }
   });
   return out;
 }

@@ -397,8 +397,8 @@ def test_k_quants_match_an_independent_dequantizer(tmp_path, qtype):
 @pytest.mark.parametrize(
     ("qtype", "kind", "group_size"),
     [
-        (T.Q2_K, "int8", 16),
-        (T.Q3_K, "int8", 16),
+        (T.Q2_K, "int4", 16),
+        (T.Q3_K, "int4", 16),
         (T.Q4_K, "int4", 32),
         (T.Q5_K, "int8", 32),
         (T.Q6_K, "int8", 16),
@@ -408,10 +408,11 @@ def test_k_quants_match_an_independent_dequantizer(tmp_path, qtype):
 def test_k_quant_groups_reproduce_the_gguf_dequantization_exactly(
     tmp_path, qtype, kind, group_size
 ):
-    """Q4_K's sub-blocks are 4-bit groups of 32 (scale d * sc, minimum -dmin * m), Q5_K's int8
-    groups of 32 (the same scale and minimum, values 0..31), Q6_K's and Q3_K's int8 groups of
-    16 (scale d * sc, values -32..31 and -4..3) and Q2_K's int8 groups of 16 with minimums
-    (values 0..3): gguf's own values, bit for bit."""
+    """Q4_K's sub-blocks are 4-bit groups of 32 (scale d * sc, minimum -dmin * m), Q2_K's
+    4-bit groups of 16 (values 0..3, the same scale and minimum), Q3_K's 4-bit groups of 16
+    (values 0..7: gguf's -4..3 plus 4, scale d * (sc - 32), minimum -4 scales), Q5_K's int8
+    groups of 32 (Q4_K's scale and minimum, values 0..31) and Q6_K's int8 groups of 16 (scale
+    d * sc, values -32..31): gguf's own values, bit for bit."""
     rng = np.random.default_rng(2)
     tensors = {}
     for name, shape in tensor_table("llama").values():
@@ -433,9 +434,10 @@ def test_k_quant_groups_reproduce_the_gguf_dequantization_exactly(
         assert torch.equal(rebuilt, weights.tensors[hf]), hf
         raw = in_file[GGUF_NAMES[hf]].data
         assert np.array_equal(to_gguf_rows(hf, rebuilt.numpy(), "llama"), dequantize(raw, qtype))
-        low, high = {T.Q5_K: (0, 31), T.Q3_K: (-4, 3), T.Q2_K: (0, 3)}.get(qtype, (-32, 31))
-        if kind == "int8":
-            assert low <= int(groups.q.min()) and int(groups.q.max()) <= high
+        low, high = {T.Q5_K: (0, 31), T.Q3_K: (0, 7), T.Q2_K: (0, 3), T.Q4_K: (0, 15)}.get(
+            qtype, (-32, 31)
+        )
+        assert low <= int(groups.q.min()) and int(groups.q.max()) <= high
 
 
 @pytest.mark.parametrize("qtype", [T.Q8_0, T.Q5_0, T.Q5_1], ids=lambda t: t.name)
@@ -838,6 +840,14 @@ MIXES = {
     # llama.cpp's Q4_K_M and Q5_K_M: v, down and the output layer Q6_K (fused q, k, v mix)
     "Q4_K_M": {"": T.Q4_K, "attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K},
     "Q5_K_M": {"": T.Q5_K, "attn_v": T.Q6_K, "ffn_down": T.Q6_K, "output": T.Q6_K},
+    # Q3_K_M-like: Q3_K's scales per 16 fused with a Q4_K v, a Q5_K down, a Q6_K output layer
+    "Q3_K_M": {
+        "": T.Q3_K,
+        "attn_v": T.Q4_K,
+        "attn_output": T.Q4_K,
+        "ffn_down": T.Q5_K,
+        "output": T.Q6_K,
+    },
     # Qwen2.5-Coder-0.5B's: Q5_0 with Q8_0 v and output, Q4_K / Q6_K down
     "qwen": {"": T.Q5_0, "attn_v": T.Q8_0, "output": T.Q8_0, "blk.0.ffn_down": T.Q4_K},
 }
@@ -880,14 +890,15 @@ def test_the_weights_plan_is_what_the_model_holds(tmp_path, mix, arch, tied):
             assert [p.format for p in model.layers[0].qkv.parts] == ["int4", "int8"]
 
 
-@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M"])
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q5_K_M", "Q3_K_M"])
 def test_k_quant_mixes_run_on_their_groups_close_to_their_exact_weights(tmp_path, mix):
     """Q4_K_M-like (q and k Q4_K, v and down Q6_K): the fused q, k and v run as an int4 layer
-    beside an int8 one. Q5_K_M-like: one int8 layer with a scale per 16 and minimums. The
-    logits of a prompt pass and decode steps stay within bf16's reach of the fp32 model on
-    the exact weights."""
+    beside an int8 one. Q5_K_M-like: one int8 layer with a scale per 16 and minimums.
+    Q3_K_M-like: q and k Q3_K and v Q4_K as one int4 layer with a scale per 16. The logits of
+    a prompt pass and decode steps stay within bf16's reach of the fp32 model on the exact
+    weights."""
     from kvchat.core import cpu_ops
-    from kvchat.core.linear import ConcatLinear
+    from kvchat.core.linear import ConcatLinear, PackedInt4Linear
     from kvchat.core.model import Transformer
 
     if cpu_ops.load() is None:
@@ -897,6 +908,13 @@ def test_k_quant_mixes_run_on_their_groups_close_to_their_exact_weights(tmp_path
     exact = Transformer(load_gguf(path), dtype=torch.float32, weight_format="dense")
     if mix == "Q4_K_M":
         assert all(isinstance(layer.qkv, ConcatLinear) for layer in model.layers)
+    elif mix == "Q3_K_M":
+        if cpu_ops.load().int4_vectorized:  # else torch's int4 kernel takes v's groups of 32
+            assert all(
+                isinstance(layer.qkv, PackedInt4Linear)
+                and layer.qkv.pack.scale.shape[1] == 256 // 16
+                for layer in model.layers
+            )
     else:
         assert all(
             layer.qkv.minimum is not None and layer.qkv.scale.shape[1] == 2 * 256 // 32
@@ -941,7 +959,7 @@ def test_a_model_that_cannot_fit_is_refused_before_a_tensor_is_read(fake_cgroups
     assert err.startswith("kvchat: error: ") and "usable now" in err
 
 
-@pytest.mark.parametrize("mix", ["Q4_0", "Q4_K", "Q5_0", "Q5_K", "Q6_K"])
+@pytest.mark.parametrize("mix", ["Q4_0", "Q4_K", "Q2_K", "Q3_K", "Q5_0", "Q5_K", "Q6_K"])
 def test_an_untied_table_keeps_its_groups_and_looks_up_the_exact_rows(tmp_path, mix):
     """bf16 on the CPU: the table of an untied model stays in the file's int4 or int8 groups,
     and its rows are the exact weights rounded to bf16 once, as a bf16 matrix would hold."""
@@ -951,9 +969,11 @@ def test_an_untied_table_keeps_its_groups_and_looks_up_the_exact_rows(tmp_path, 
     path = _mixed_model(tmp_path / "m.gguf", "qwen2", MIXES[mix], tied=False)
     weights = load_gguf(path)
     model = Transformer(weights, dtype=torch.bfloat16, weight_format="int4")
-    int4 = mix.startswith("Q4")
+    int4 = mix in ("Q4_0", "Q4_K", "Q2_K", "Q3_K")
     assert isinstance(model.embed, Int4Table if int4 else Int8Table)
     ids = torch.tensor([5, 0, 31, 5, 17])
     want = weights.tensors["model.embed_tokens.weight"][ids].bfloat16()
     assert torch.equal(model.embed(ids), want)
-    assert model.embed.nbytes < VOCAB * HIDDEN * (0.8 if int4 else 1.3)
+    # bytes a value: int4 with a scale and minimum per 32 (fp16 or fp32) or per 16 (fp32: 1.0)
+    bound = {"Q2_K": 1.01, "Q3_K": 1.01}.get(mix, 0.8 if int4 else 1.3)
+    assert model.embed.nbytes < VOCAB * HIDDEN * bound

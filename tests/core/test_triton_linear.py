@@ -49,11 +49,11 @@ def test_a_real_files_groups_run_as_the_file_says(smollm2_weights):
 @pytest.mark.parametrize("groups_format", checks.GROUP_FORMATS)
 def test_the_plan_counts_what_the_layer_holds(groups_format):
     n, k = 72, 160
-    if groups_format == "int4":
-        groups = Int4Groups(
-            torch.zeros(n, k, dtype=torch.uint8), torch.ones(n, k // 32), torch.zeros(n, k // 32)
-        )
-        kind, size, minimum = LinearKind.TRITON_INT4, 32, True
+    if groups_format.startswith("int4"):
+        size = 16 if groups_format == "int4 per 16" else 32
+        scales = torch.ones(n, k // size)
+        groups = Int4Groups(torch.zeros(n, k, dtype=torch.uint8), scales, torch.zeros_like(scales))
+        kind, minimum = LinearKind.TRITON_INT4, True
     else:
         size = 32 if groups_format == "int8 per 32" else 16
         minimum = size == 16
