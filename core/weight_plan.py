@@ -40,6 +40,7 @@ def planned_weights(
         runs = part_runs(out_sizes, in_size, int4, int8, weight_format, dtype, device, ops, sizes)
         for run in runs:  # as Transformer builds them
             out, types = sum(out_sizes[run]), all_types[run]
+            group = group_size(types)
             kind = linear_kind(
                 out,
                 in_size,
@@ -49,7 +50,7 @@ def planned_weights(
                 dtype,
                 device,
                 ops,
-                group_size(types),
+                group,
             )
             size = planned_bytes(
                 kind,
@@ -58,7 +59,7 @@ def planned_weights(
                 dtype,
                 device,
                 bias,
-                group_size(types),
+                group,
                 int4_scale_itemsize(types),
                 int8_has_minimum(types),
             )
