@@ -59,6 +59,7 @@ from .snapshot import (
     snapshot_dir,
 )
 from .sources import read_sources
+from .steps import EngineStep, StepHook
 from .tokenizer import Tokenizer, TooManyTokensError, load_tokenizer
 from .turns import ProgressFn, ReplyEnd, Turns
 from .weight_plan import planned_weights
@@ -320,6 +321,7 @@ class Session(Turns[Conversation]):
             if on_progress is not None:
                 reported = done
                 on_progress(done, len(ids))
+            engine.step_done(EngineStep.PREFILLED)
         if self._logits is None:
             raise ValueError("nothing to prefill: no tokens given and none cached")
         return self._logits
@@ -482,6 +484,7 @@ class Session(Turns[Conversation]):
             if not reply:
                 engine.throughput.record_first_token()
             reply.append(token)
+            engine.step_done(EngineStep.SAMPLED)
             yield token
             if token in eos:
                 self.reply_end = ReplyEnd.END_OF_TURN
@@ -561,6 +564,7 @@ class Engine:
         # which a plan must count too; measured once the model is loaded.
         self.runtime_bytes = max(process_rss() - model.nbytes, 0)
         self.session = Session(self)
+        self.on_step: StepHook | None = None  # called on the engine's thread (core/steps.py)
 
     @classmethod
     def load(
@@ -607,6 +611,10 @@ class Engine:
         engine.snapshot_dir = self.snapshot_dir
         engine.runtime_bytes = self.runtime_bytes
         return engine
+
+    def step_done(self, step: EngineStep) -> None:
+        if self.on_step is not None:
+            self.on_step(step)
 
     @property
     def config(self) -> ModelConfig:
@@ -783,8 +791,14 @@ class Engine:
         """The ids of `doc`; tokenizing stops, refusing the document, as soon as they pass
         long_context.max_seq_len (`fitting`: what any fit could hold on this machine)."""
         limit = self._reading_limit(fitting)
+
+        def batch_done(done: int, total: int) -> None:
+            if on_progress is not None:
+                on_progress(done, total)
+            self.step_done(EngineStep.TOKENIZED)
+
         try:
-            return self.tokenizer.encode_long(doc.text, on_progress, cancel, stop_after=limit)
+            return self.tokenizer.encode_long(doc.text, batch_done, cancel, stop_after=limit)
         except TooManyTokensError as e:
             estimate = e.tokens * e.total // e.done
             raise PlanRefusedError(

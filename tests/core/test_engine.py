@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from kvchat.core.cancel import Cancelled
+from kvchat.core.documents import Document
 from kvchat.core.plan import PlanRefusedError
+from kvchat.core.steps import EngineStep
 from kvchat.core.turns import ReplyEnd
 
 QUESTION = "What is the capital of France? Answer in one sentence."
@@ -172,6 +174,41 @@ def test_generation_cancel_and_limit_say_why_the_reply_ended(engine_fp32, settin
     session.sync(ids)
     assert len(list(session.generate(replace(params, max_new_tokens=50)))) == 4
     assert session.reply_end is ReplyEnd.FULL_CONTEXT
+
+
+def test_the_step_hook_sees_every_batch_chunk_and_token_and_a_stop_there_ends_the_next(
+    engine_fp32, settings_fp32
+):
+    lc = replace(settings_fp32.long_context, chunk_size=16, max_seq_len=131072)
+    engine = engine_fp32.with_settings(replace(settings_fp32, long_context=lc))
+    steps: list[EngineStep] = []
+    engine.on_step = steps.append
+    # 320K characters: two of the tokenizer's batches (32 pieces of 8K characters each).
+    text = "Summarise the plot of Hamlet in detail. " * 8000
+    ids = engine.encode_document(Document((), "hamlet.txt", text, len(text), ""))
+    assert steps == [EngineStep.TOKENIZED] * 2
+    steps.clear()
+    session = engine.new_session()
+    chat = _chat_ids(engine)
+    session.sync(chat)
+    assert steps == [EngineStep.PREFILLED] * -(-len(chat) // 16)
+    steps.clear()
+    params = replace(engine.settings.generation, max_new_tokens=4, temperature=0.0)
+    assert len(list(session.generate(params))) == 4 and steps == [EngineStep.SAMPLED] * 4
+
+    # A stop set while the engine is at a step ends the work before the next step.
+    session.sync(chat)
+    cancel = threading.Event()
+    engine.on_step = lambda step: cancel.set()
+    assert len(list(session.generate(replace(params, max_new_tokens=50), cancel))) == 1
+    assert session.reply_end is ReplyEnd.STOPPED
+    cancel.clear()
+    with pytest.raises(Cancelled, match="tokenizing cancelled after"):
+        engine.encode_document(Document((), "hamlet.txt", text, len(text), ""), cancel=cancel)
+    cancel.clear()
+    with pytest.raises(Cancelled, match="prefill cancelled after 16 of 100 tokens"):
+        engine.new_session().extend(ids[:100], cancel=cancel)
+    assert engine.session.tokens == ids[:16]
 
 
 def test_follow_up_prefills_only_new_tokens(engine_fp32):

@@ -1,4 +1,5 @@
-"""What the pilot tests of the app share: small settings, one engine per module, waiting.
+"""What the pilot tests of the app share: small settings, one engine per module, waiting,
+and a gate that holds the engine's thread between two steps.
 
 The engine is loaded once per test module and shared by the app instances in it (each app
 starts a new session on it).
@@ -6,8 +7,9 @@ starts a new session on it).
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,7 @@ from textual.pilot import Pilot
 
 from kvchat.config import Settings, load_settings
 from kvchat.core.engine import Engine
+from kvchat.core.steps import EngineStep
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.widgets.chat import ChatMessage, ChatPane
 
@@ -34,6 +37,13 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return tmp_path / "home"
 
 
+@pytest.fixture(autouse=True)
+def lasting_notifications(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Notifications stay until the test ends: Textual drops one 5 s after it is shown, which
+    a slow or busy machine can spend on the step after it, before the test reads it."""
+    monkeypatch.setattr(KvchatApp, "NOTIFICATION_TIMEOUT", 24 * 3600)
+
+
 @pytest.fixture(scope="module")
 def anyio_backend() -> str:
     """Async tests run on anyio's pytest plugin (installed with Textual), on asyncio only."""
@@ -50,8 +60,68 @@ def engine(settings: Settings) -> Engine:
     return Engine.load(settings)
 
 
-async def wait_for(pilot: Pilot, condition: Callable[[], bool], timeout: float = 60.0) -> None:
-    """Let the app run until `condition` holds (the engine works in a thread meanwhile)."""
+class StepGate:
+    """Holds the engine's thread after a chosen step until the test lets it go on, so a test
+    acts "while a document prefills" or "while a reply runs" on any machine: `arm` chooses
+    the step (and which one of its kind), `held` is set once the thread waits there, `release`
+    lets it go on (arm the next hold first, if there is one)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._armed: tuple[EngineStep, int] | None = None
+        self._go = threading.Event()
+        self.held = threading.Event()
+
+    def arm(self, step: EngineStep, nth: int = 1) -> None:
+        with self._lock:
+            self._armed = (step, nth)
+
+    def __call__(self, step: EngineStep) -> None:
+        with self._lock:
+            if self._armed is None or self._armed[0] is not step:
+                return
+            if self._armed[1] > 1:
+                self._armed = (step, self._armed[1] - 1)
+                return
+            self._armed = None
+            self._go.clear()
+            self.held.set()
+        self._go.wait()
+
+    def release(self) -> None:
+        self.held.clear()
+        self._go.set()
+
+    def close(self) -> None:
+        """Hold nothing more and let the thread go on."""
+        with self._lock:
+            self._armed = None
+        self.release()
+
+    # `async with app.run_test() as pilot, gate:` lets the engine go before the app stops: a
+    # failing test must not leave the app waiting for a worker the gate holds.
+    async def __aenter__(self) -> StepGate:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+@pytest.fixture
+def gate(engine: Engine) -> Iterator[StepGate]:
+    """A StepGate on the module's engine, taken off (and the engine let go) after the test."""
+    gate = StepGate()
+    engine.on_step = gate
+    try:
+        yield gate
+    finally:
+        engine.on_step = None
+        gate.close()
+
+
+async def wait_for(pilot: Pilot, condition: Callable[[], bool], timeout: float = 600.0) -> None:
+    """Let the app run until `condition` holds (the engine works in a thread meanwhile). The
+    timeout only ends a test that would hang; no test waits for a state that can pass by."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:

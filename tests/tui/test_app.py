@@ -16,6 +16,7 @@ from textual.widgets import Input, Label, Static
 
 from kvchat.config import Settings
 from kvchat.core.engine import Engine
+from kvchat.core.steps import EngineStep
 from kvchat.core.turns import ReplyEnd
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.log_notices import NoticeHandler
@@ -26,7 +27,7 @@ from kvchat.tui.widgets.panels import DeviceWindowPanel, DramPanel, Panel
 from kvchat.tui.widgets.prompt import PromptInput
 from kvchat.tui.widgets.status import StatusLine
 
-from .conftest import NOTE, messages, notifications, wait_for, wait_idle
+from .conftest import NOTE, StepGate, messages, notifications, wait_for, wait_idle
 
 pytestmark = pytest.mark.anyio
 
@@ -36,12 +37,6 @@ async def load_through_dialog(pilot: Pilot, app: KvchatApp, path: Path) -> None:
     await wait_for(pilot, lambda: isinstance(app.screen, LoadFileScreen))
     app.screen.query_one("#load-path", Input).value = str(path)
     await pilot.press("enter")
-
-
-def prefilling(app: KvchatApp, engine: Engine) -> bool:
-    """The app's document is read and its prefill has begun (the engine is shared: its
-    session may hold tokens of an earlier app's document until this one's load begins)."""
-    return app.busy and app.document is not None and 0 < len(engine.session.tokens)
 
 
 async def send(pilot: Pilot, app: KvchatApp, question: str) -> None:
@@ -194,19 +189,22 @@ def panel_text(app: KvchatApp, panel: type[Panel]) -> str:
 
 @pytest.mark.slow
 async def test_esc_stops_a_prefill_and_the_session_stays_usable(
-    settings: Settings, engine: Engine, tmp_path: Path
+    settings: Settings, engine: Engine, gate: StepGate, tmp_path: Path
 ) -> None:
     doc = tmp_path / "long.txt"
     doc.write_text(" ".join(f"Line {i}: the lighthouse keeper logs weather." for i in range(260)))
     app = KvchatApp(settings, engine=engine)
-    async with app.run_test(size=(140, 45)) as pilot:
+    async with app.run_test(size=(140, 45)) as pilot, gate:
+        gate.arm(EngineStep.PREFILLED)  # held after the document's first chunk
         await load_through_dialog(pilot, app, doc)
-        await wait_for(pilot, lambda: 0 < len(engine.session.tokens))
+        await wait_for(pilot, gate.held.is_set)
         await pilot.press("escape")
+        gate.release()
         await wait_idle(pilot, app)
+        chunk = settings.long_context.chunk_size
         total = len(engine.session.conversation.document_prefix_ids(engine.tokenizer))
-        assert 0 < len(engine.session.tokens) < total
-        assert any("cancelled" in n for n in notifications(app))
+        assert len(engine.session.tokens) == chunk < total  # the chunk done stays cached
+        assert any("prefill cancelled after 256 of" in n for n in notifications(app))
 
         await ask(pilot, app, "What does the keeper log?")
         await wait_idle(pilot, app)
@@ -215,31 +213,35 @@ async def test_esc_stops_a_prefill_and_the_session_stays_usable(
         assert len(engine.session.tokens) > total
 
 
-async def ask_during_a_prefill(pilot: Pilot, app: KvchatApp, engine: Engine, folder: Path) -> int:
-    """Load a ~6K-token document and, while it prefills, send a question; it must wait.
-    Returns the document's token count."""
+async def ask_during_a_prefill(
+    pilot: Pilot, app: KvchatApp, engine: Engine, gate: StepGate, folder: Path
+) -> int:
+    """Load a ~6K-token document and, while its prefill is held after its first chunk, send a
+    question; it must wait. Returns the document's token count."""
     doc = folder / "long.txt"
     doc.write_text(" ".join(f"Line {i}: the lighthouse keeper logs weather." for i in range(450)))
+    gate.arm(EngineStep.PREFILLED)
     await load_through_dialog(pilot, app, doc)
-    await wait_for(pilot, lambda: prefilling(app, engine))
+    await wait_for(pilot, gate.held.is_set)
     total = len(engine.session.conversation.document_prefix_ids(engine.tokenizer))
     await send(pilot, app, "What does the keeper log?")
     [waiting] = messages(app, "user")
-    assert waiting.has_class("waiting") and app.busy
+    assert waiting.has_class("waiting") and app.busy and app.turn is None
     return total
 
 
 @pytest.mark.slow
 async def test_a_question_sent_during_a_prefill_waits_and_is_answered_after_it(
-    settings: Settings, engine: Engine, tmp_path: Path
+    settings: Settings, engine: Engine, gate: StepGate, tmp_path: Path
 ) -> None:
     app = KvchatApp(settings, engine=engine)
-    async with app.run_test(size=(140, 45)) as pilot:
-        total = await ask_during_a_prefill(pilot, app, engine, tmp_path)
+    async with app.run_test(size=(140, 45)) as pilot, gate:
+        total = await ask_during_a_prefill(pilot, app, engine, gate, tmp_path)
         assert not messages(app, "assistant")
         await send(pilot, app, "And when?")  # one question waits at a time: given back
         assert app.query_one("#prompt").text == "And when?"
         assert any("already waiting" in n for n in notifications(app))
+        gate.release()
         await wait_idle(pilot, app)
         [question] = messages(app, "user")
         [reply] = messages(app, "assistant")
@@ -251,18 +253,26 @@ async def test_a_question_sent_during_a_prefill_waits_and_is_answered_after_it(
 
 @pytest.mark.slow
 async def test_esc_stops_the_prefill_then_the_waiting_question(
-    settings: Settings, engine: Engine, tmp_path: Path
+    settings: Settings, engine: Engine, gate: StepGate, tmp_path: Path
 ) -> None:
     app = KvchatApp(settings, engine=engine)
-    async with app.run_test(size=(140, 45)) as pilot:
-        await ask_during_a_prefill(pilot, app, engine, tmp_path)
+    async with app.run_test(size=(140, 45)) as pilot, gate:
+        total = await ask_during_a_prefill(pilot, app, engine, gate, tmp_path)
+        gate.arm(EngineStep.SAMPLED)  # the waiting question's first reply token
         await pilot.press("escape")  # stops the document's prefill; the question starts
-        await wait_for(pilot, lambda: app.turn is not None)
-        await pilot.press("escape")  # stops the question
-        await wait_idle(pilot, app)
+        gate.release()
+        await wait_for(pilot, gate.held.is_set)
         [question] = messages(app, "user")
-        assert not question.has_class("waiting")
-        assert not question.answered or STOPPED_MARK in messages(app, "assistant")[0].source
+        assert app.turn is not None and not question.has_class("waiting")
+        assert any("prefill cancelled after 256 of" in n for n in notifications(app))
+        await pilot.press("escape")  # stops the question's reply after its first token
+        gate.release()
+        await wait_idle(pilot, app)
+        [reply] = messages(app, "assistant")
+        assert reply.source.endswith(STOPPED_MARK) and reply.has_class("stopped")
+        assert engine.session.reply_end is ReplyEnd.STOPPED
+        # The question went on from the chunk cached: the rest of the document, then itself.
+        assert len(engine.session.tokens) > total
 
 
 @pytest.mark.parametrize(

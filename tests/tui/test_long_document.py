@@ -2,9 +2,9 @@
 prefilled in its worker, and Esc stops the prefill with the session still usable.
 
 The document is real text: Python's own standard library sources (~800K characters, ~210K
-tokens), which tokenize slower per token than repeated filler, so the tokenize phase lasts
-long enough to type into (about 0.4 s on two cores). The prefill is stopped after its first
-chunks, so the test needs no more than a few of them.
+tokens). The engine's thread is held after its first tokenized batch and after its first
+prefilled chunk while the test types, so each phase lasts as long as the test needs on any
+machine, and the prefill is stopped after one chunk.
 """
 
 from __future__ import annotations
@@ -20,9 +20,12 @@ from textual import events
 
 from kvchat.config import Settings, load_settings
 from kvchat.core.engine import Engine
+from kvchat.core.steps import EngineStep
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.widgets.chat import NO_ANSWER_MARK, ChatMessage, ChatPane
 from kvchat.tui.widgets.prompt import PromptInput
+
+from .conftest import StepGate
 
 OVERRIDES = [
     "generation.max_new_tokens=8",
@@ -54,10 +57,10 @@ def long_file(tmp_path: Path) -> Path:
     return path
 
 
-async def wait_for(condition: Callable[[], bool], timeout: float = 120.0) -> None:
+async def wait_for(condition: Callable[[], bool], timeout: float = 600.0) -> None:
     """Poll `condition` every 10 ms while the app runs. Not pilot.press or pilot.pause: they
-    wait for the whole process to go idle, which the busy worker thread never lets happen,
-    so each would take a second or two and the tokenize phase would be over."""
+    wait for the whole process to go idle, which a busy worker thread never lets happen, so
+    each would take a second or two."""
     deadline = time.monotonic() + timeout
     while not condition():
         if time.monotonic() > deadline:
@@ -89,48 +92,53 @@ async def send(app: KvchatApp, prompt: PromptInput, text: str) -> None:
 
 
 async def test_keys_work_while_a_200k_token_file_loads_and_esc_stops_the_prefill(
-    settings: Settings, engine: Engine, long_file: Path
+    settings: Settings, engine: Engine, gate: StepGate, long_file: Path
 ) -> None:
+    chunk = settings.long_context.chunk_size
     app = KvchatApp(settings, engine=engine)
-    async with app.run_test(size=(140, 45)):
+    async with app.run_test(size=(140, 45)), gate:
         prompt = app.query_one("#prompt", PromptInput)
         prompt.focus()
         before = engine.session  # the worker replaces it once the file is tokenized and fits
+        gate.arm(EngineStep.TOKENIZED)
         await send(app, prompt, f"/load {long_file}")
 
         # Tokenizing: the app says so (a Progress message of the tokenize phase), and keys
-        # typed now are handled before the worker is done with it.
+        # typed now are handled while the worker is in the middle of it.
+        await wait_for(gate.held.is_set)
         await wait_for(lambda: app.state == "tokenize")
-        typed = typed_while_tokenizing = 0
-        while engine.session is before:
-            await type_key(app, prompt, "t")
-            typed += 1
-            typed_while_tokenizing += engine.session is before
-        assert typed_while_tokenizing >= 1
+        for key in "tok":
+            await type_key(app, prompt, key)
+        assert engine.session is before and app.state == "tokenize"
+        gate.arm(EngineStep.PREFILLED)
+        gate.release()
+
+        # Prefilling: the prompt takes keys while the chunks go through the model.
+        await wait_for(gate.held.is_set)
         conversation = engine.session.conversation
         assert len(conversation.document_ids) > 200_000
         total = len(conversation.document_prefix_ids(engine.tokenizer))
-
-        # Prefilling: the prompt takes keys while the chunks go through the model.
         await wait_for(lambda: app.state == "prefill")
         for key in "prefill":
             await type_key(app, prompt, key)
-        assert app.busy and app.state == "prefill" and len(engine.session.tokens) < total
-        await wait_for(lambda: len(engine.session.tokens) > 0)
+        assert app.busy and app.state == "prefill" and len(engine.session.tokens) == chunk
         press(app, "escape")
+        gate.release()
         await wait_idle(app)
-        done = len(engine.session.tokens)
-        assert 0 < done < total
-        assert any("prefill cancelled after" in n.message for n in app._notifications)
-        assert prompt.text == "t" * typed + "prefill"  # nothing typed was lost
+        assert len(engine.session.tokens) == chunk < total  # the chunk done stays cached
+        assert any(f"prefill cancelled after {chunk} of" in n.message for n in app._notifications)
+        assert prompt.text == "tokprefill"  # nothing typed was lost
         assert engine.session.conversation is conversation and app.state == "ready"
 
-        # Still usable: a question goes on from the chunks cached so far, not from scratch.
+        # Still usable: a question goes on from the chunk cached so far, not from scratch.
+        gate.arm(EngineStep.PREFILLED)
         await send(app, prompt, "What does this code do?")
-        await wait_for(lambda: len(engine.session.tokens) > done)
+        await wait_for(gate.held.is_set)
         press(app, "escape")
+        gate.release()
         await wait_idle(app)
-        assert engine.stats().prefill_tokens == len(engine.session.tokens) - done
+        assert len(engine.session.tokens) == 2 * chunk
+        assert engine.stats().prefill_tokens == chunk
         # Stopped before its reply began: the question stays, marked, and gets no reply.
         shown = [(m.role, m.source) for m in app.query_one(ChatPane).query(ChatMessage)]
         assert shown[1:] == [("user", "What does this code do?" + NO_ANSWER_MARK)]
