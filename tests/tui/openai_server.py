@@ -37,7 +37,10 @@ class Seen:
 @dataclass
 class EchoServer:
     api_key: str | None = None
-    hold_s: float = 0.0  # how long a reply waits before its first word (a long "prefill")
+    # Replies wait before their first word until `released` is set (a "prefill" the test
+    # ends, or that outlasts the test).
+    hold_replies: bool = False
+    released: threading.Event = field(default_factory=threading.Event)
     usage: bool = True  # whether it sends the usage a client asks for (some servers do not)
     requests: list[Seen] = field(default_factory=list)
     url: str = ""
@@ -84,7 +87,8 @@ class EchoServer:
         try:
             first = {"choices": [{"index": 0, "delta": {"role": "assistant"}}]}
             yield f"data: {json.dumps(first)}\n\n"
-            await asyncio.sleep(self.hold_s)
+            while self.hold_replies and not self.released.is_set():
+                await asyncio.sleep(0.01)
             for i, word in enumerate(words):
                 delta = {"content": word if i == 0 else f" {word}"}
                 yield f"data: {json.dumps({'choices': [{'index': 0, 'delta': delta}]})}\n\n"
@@ -116,5 +120,6 @@ def serving(server: EchoServer) -> Iterator[EchoServer]:
     try:
         yield server
     finally:
+        server.released.set()
         running.should_exit = True
         thread.join(timeout=10)

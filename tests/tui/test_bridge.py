@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import threading
-import time
 
 from textual.message import Message
 
@@ -81,11 +80,13 @@ def test_slash_commands_parse() -> None:
         raise AssertionError("an unknown command must be refused")
 
 
-def test_batching_interval_is_honoured_in_real_time() -> None:
+def test_batching_posts_at_most_once_an_interval() -> None:
     posted: list[Message] = []
-    batcher = bridge.TokenBatcher(posted.append, interval=0.05)
-    started = time.monotonic()
-    while time.monotonic() - started < 0.2:
+    now = [0.0]
+    batcher = bridge.TokenBatcher(posted.append, interval=0.25, clock=lambda: now[0])
+    for _ in range(22):  # a token every 1/16 s (exact in binary, as the sums are)
+        now[0] += 0.0625
         batcher.add("t")
     batcher.flush()
-    assert 2 <= len(posted) <= 6  # ~0.2 s / 50 ms, however many tokens came
+    # A post every fourth token, at 0.25 s, 0.5 s, ...; the flush posts the rest.
+    assert [len(m.text) for m in posted] == [4, 4, 4, 4, 4, 2]

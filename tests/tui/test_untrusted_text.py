@@ -47,7 +47,6 @@ async def test_file_names_with_markup_brackets_show_as_typed(
             await pilot.press("enter")
             await wait_idle(pilot, app)
             if path is missing:
-                # Read before the second load: on a slow machine that load outlasts a toast.
                 toasts = [shown(toast) for toast in app.screen.query(Toast)]
                 assert any(f"{missing}: no such file" in toast for toast in toasts), toasts
 
