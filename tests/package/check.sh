@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# What a user who does not clone gets: `python -m build` makes the sdist and the wheel (from
+# the sdist, as pip would), the wheel alone goes into a new venv, and everything below runs
+# from outside the checkout with a fresh data folder and a fresh kernel cache: --version,
+# --help, a bundled model installed by `kvchat models install`, `kvchat plan`, the C++
+# kernels compiled from the installed sources, `kvchat ask` answering over the sample
+# document inside the package, and the app started by Textual's pilot.
+#
+#   tests/package/check.sh [PYTHON]    (PYTHON has `build`; make test passes .venv's)
+set -euo pipefail
+checkout=$(cd "$(dirname "$0")/../.." && pwd)
+python=${1:-python3}
+work=$(mktemp -d "${TMPDIR:-/tmp}/kvchat-package-XXXXXX")
+trap 'rm -rf "$work"' EXIT
+step() { printf '\n== package check: %s\n' "$*"; }
+
+step "python -m build"
+"$python" -m build --outdir "$work/dist" "$checkout" >"$work/build.log" 2>&1 ||
+    { cat "$work/build.log"; exit 1; }
+ls "$work/dist"
+"$python" "$checkout/tests/package/wheel_files.py" "$checkout" "$work"/dist/kvchat-*.whl
+
+step "a new venv with torch 2.13.0 and the wheel alone"
+python3 -m venv "$work/venv"
+venv="$work/venv/bin"
+"$venv/pip" install --quiet torch==2.13.0
+"$venv/pip" install --quiet "$work"/dist/kvchat-*.whl
+
+cd "$work"  # nothing of the checkout is on the path from here on
+export KVCHAT_HOME="$work/home" TORCH_EXTENSIONS_DIR="$work/kernels"
+unset KVCHAT_MODEL PYTHONPATH
+step "kvchat --version, --help"
+"$venv/kvchat" --version
+"$venv/kvchat" --help >/dev/null
+step "kvchat models install smollm2-135m"
+"$venv/kvchat" models install smollm2-135m
+step "kvchat plan --model smollm2-135m"
+"$venv/kvchat" plan --model smollm2-135m
+sample=$("$venv/python" -c \
+    "from importlib import resources; print(resources.files('kvchat.core') / 'data/sample.txt')")
+step "kvchat ask over $sample (the kernels build first)"
+"$venv/kvchat" ask --model smollm2-135m --set generation.max_new_tokens=24 \
+    --prompt-file "$sample" "When was the lighthouse built?"
+ls "$TORCH_EXTENSIONS_DIR"
+step "the app, driven by Textual's pilot"
+"$venv/python" "$checkout/tests/package/app_smoke.py" smollm2-135m
+step "passed"
