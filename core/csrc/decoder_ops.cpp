@@ -8,7 +8,6 @@
 // they are stored (int8 values, a scale per 32 or per 16; reordered into tiles of 16 rows),
 // half the bytes of a bf16 copy and exact but for the inputs' 16-bit rounding (1/65024 of a
 // group's largest); int8_dequantize unpacks them to bf16 for products of many rows.
-#include <torch/extension.h>
 
 #include <algorithm>
 #include <cmath>
@@ -29,7 +28,7 @@ using kvchat::round_bf16;
 // Rows of a norm or an MLP activation (576 to a few thousand values) per task.
 constexpr int64_t GRAIN = 16;
 
-void check_bf16(const torch::Tensor& t, const char* what) {
+void check_bf16(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16, what, " must be bf16");
 }
 
@@ -37,14 +36,14 @@ void check_bf16(const torch::Tensor& t, const char* what) {
 
 // weight * (x * rsqrt(mean(x^2) + eps)) over the last dim, as core/model.py's rms_norm: the
 // statistics in fp32, the normalised row rounded to bf16, then the product with the weight.
-torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
+at::Tensor rms_norm(at::Tensor x, at::Tensor weight, double eps) {
   check_bf16(x, "rms_norm: x");
   check_bf16(weight, "rms_norm: weight");
   const int64_t H = x.size(-1);
   TORCH_CHECK(weight.numel() == H, "rms_norm: weight must have x's last size");
   x = x.contiguous();
   weight = weight.contiguous();
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* wp = reinterpret_cast<const uint16_t*>(weight.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
@@ -56,14 +55,14 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 
 // silu(gate) * up for gate_up = [..., gate | up] (the fused projection's two halves), as
 // F.silu(gate) * up in bf16: the SiLU rounded to bf16, then the product.
-torch::Tensor silu_mul(torch::Tensor gate_up) {
+at::Tensor silu_mul(at::Tensor gate_up) {
   check_bf16(gate_up, "silu_mul: gate_up");
   const int64_t width = gate_up.size(-1), I = width / 2;
   TORCH_CHECK(width % 2 == 0, "silu_mul: the last dim holds gate and up, so it must be even");
   gate_up = gate_up.contiguous();
   auto sizes = gate_up.sizes().vec();
   sizes.back() = I;
-  auto out = torch::empty(sizes, gate_up.options());
+  auto out = at::empty(sizes, gate_up.options());
   const auto* gp = reinterpret_cast<const uint16_t*>(gate_up.data_ptr());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   kvchat::for_rows(gate_up.numel() / width, GRAIN, [&](int64_t r) {
@@ -242,7 +241,7 @@ void int8_tiles(const uint8_t* packed, const float* scale, const float* minimum,
 
 // The weight scales per group of 32 inputs of an int8 weight's scale tensor [N / 16, S K / 32,
 // 16]: 1 (Q8_0, Q5_0) or 2 (Q6_K).
-int64_t scales_per_group(const torch::Tensor& packed, const torch::Tensor& scale,
+int64_t scales_per_group(const at::Tensor& packed, const at::Tensor& scale,
                          const char* what) {
   TORCH_CHECK(packed.dim() == 2 && scale.dim() == 3 && packed.scalar_type() == at::kByte &&
                   scale.scalar_type() == at::kFloat,
@@ -256,7 +255,7 @@ int64_t scales_per_group(const torch::Tensor& packed, const torch::Tensor& scale
 }
 
 // The minimums' data (fp32, the scales' shape), or nullptr for weights without them.
-const float* minimum_data(const c10::optional<torch::Tensor>& minimum, const torch::Tensor& scale,
+const float* minimum_data(const c10::optional<at::Tensor>& minimum, const at::Tensor& scale,
                           const char* what) {
   if (!minimum.has_value()) return nullptr;
   TORCH_CHECK(minimum->scalar_type() == at::kFloat && minimum->is_contiguous() &&
@@ -292,8 +291,8 @@ void int8_rows(const std::vector<QuantBuffer>& rows, const uint8_t* pp, const fl
 // The rows of x go in as 16-bit integers per group of 32 (quant_row.h), so the weights
 // multiply them exactly in int32 with vpdpbusd: fp32 products run at ~12 GB/s, bound by
 // widening every weight to an fp32.
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
-                          c10::optional<torch::Tensor> minimum) {
+at::Tensor int8_linear(at::Tensor x, at::Tensor packed, at::Tensor scale,
+                          c10::optional<at::Tensor> minimum) {
   TORCH_CHECK(x.dim() == 2, "int8_linear: x [M, K]");
   const int64_t S = scales_per_group(packed, scale, "int8_linear");
   const int64_t M = x.size(0), K = x.size(1), T = packed.size(0);
@@ -313,7 +312,7 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
       kvchat::quantize_groups(reinterpret_cast<const uint16_t*>(x.data_ptr()) + m * K, K,
                               rows.back());
   }
-  auto out = torch::empty({M, 16 * T}, x.options().dtype(torch::kFloat));
+  auto out = at::empty({M, 16 * T}, x.options().dtype(at::kFloat));
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   const float* mp = minimum_data(minimum, scale, "int8_linear");
@@ -328,13 +327,13 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 // The bf16 weight [N', K] of int8_linear's layout, each value q * scale (+ minimum) in fp32
 // rounded to bf16, for the bf16 products of prefill chunks: unpacked at each call, which a
 // chunk's product amortizes (as int4_dequantize).
-torch::Tensor int8_dequantize(torch::Tensor packed, torch::Tensor scale,
-                              c10::optional<torch::Tensor> minimum) {
+at::Tensor int8_dequantize(at::Tensor packed, at::Tensor scale,
+                              c10::optional<at::Tensor> minimum) {
   const int64_t S = scales_per_group(packed, scale, "int8_dequantize");
   const int64_t T = packed.size(0), K = packed.size(1) / 16, G = K / 32;
   packed = packed.contiguous();
   scale = scale.contiguous();
-  auto out = torch::empty({16 * T, K}, torch::kBFloat16);
+  auto out = at::empty({16 * T, K}, at::kBFloat16);
   const uint8_t* pp = packed.data_ptr<uint8_t>();
   const float* sp = scale.data_ptr<float>();
   const float* mp = minimum_data(minimum, scale, "int8_dequantize");

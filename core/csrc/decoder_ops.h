@@ -3,9 +3,13 @@
 // ops that decoder_ops.cpp binds.
 #pragma once
 
-#include <torch/extension.h>
+// torch's pybind11 with its tensor conversions, without the rest of torch/extension.h: both
+// files bind their ops.
+#include <torch/csrc/utils/pybind.h>
 
 #include <cstdint>
+
+#include "tensor.h"
 
 namespace kvchat {
 
@@ -20,8 +24,8 @@ extern const bool int4_vectorized;
 
 }  // namespace kvchat
 
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
-                          torch::Tensor minimum);
-torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scale, torch::Tensor minimum);
+at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scale,
+                          at::Tensor minimum);
+at::Tensor int4_dequantize(at::Tensor packed, at::Tensor scale, at::Tensor minimum);
 // Registers Int4Layer, a layer's int4 projections for decode tokens (int4_layer.cpp).
 void bind_int4_layer(pybind11::module& m);

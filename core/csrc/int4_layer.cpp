@@ -35,9 +35,7 @@
 // barriers inside the second. Every intermediate is rounded to bf16 where the single ops
 // round, so the fused calls give bit for bit what int4_linear, rms_norm, silu_mul and bf16
 // adds give one after another.
-#include <torch/extension.h>
 
-#include <ATen/Parallel.h>
 #include <omp.h>
 
 #include <algorithm>
@@ -101,7 +99,7 @@ inline __m256 scales8(const void* p, bool wide, int64_t at) {
 // parts = (packed uint8 [T, 8 K], scale and minimum fp16 or fp32 [T, K / 32, 16] or, a scale
 // per 16 inputs, [T, K / 16, 16]), held contiguous by the caller (the kernels keep pointers
 // into them).
-Int4Matrix int4_matrix(const std::vector<torch::Tensor>& parts, int64_t K, const char* what) {
+Int4Matrix int4_matrix(const std::vector<at::Tensor>& parts, int64_t K, const char* what) {
   TORCH_CHECK(parts.size() == 3, what, ": (packed, scale, minimum)");
   const auto& packed = parts[0];
   const auto& scale = parts[1];
@@ -124,7 +122,7 @@ Int4Matrix int4_matrix(const std::vector<torch::Tensor>& parts, int64_t K, const
   return {packed.data_ptr<uint8_t>(), scale.data_ptr(), minimum.data_ptr(), wide, K, T, P};
 }
 
-const uint16_t* bf16_data(const torch::Tensor& t, int64_t numel, const char* what) {
+const uint16_t* bf16_data(const at::Tensor& t, int64_t numel, const char* what) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.is_contiguous() && t.numel() == numel, what,
               ": a contiguous bf16 tensor of ", numel, " values");
   return reinterpret_cast<const uint16_t*>(t.data_ptr());
@@ -412,17 +410,17 @@ void add_rows(const uint16_t* a, const uint16_t* b, int64_t lo, int64_t hi, uint
 
 // x [M, K] bf16 times an int4 weight [N, K] in pack_int4's layout (packed, scale, minimum):
 // bf16 [M, N].
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor scale,
-                          torch::Tensor minimum) {
+at::Tensor int4_linear(at::Tensor x, at::Tensor packed, at::Tensor scale,
+                          at::Tensor minimum) {
   TORCH_CHECK(x.dim() == 2, "int4_linear: x [M, K]");
   const int64_t M = x.size(0), K = x.size(1);
   x = x.contiguous();
-  const std::vector<torch::Tensor> parts = {packed.contiguous(), scale.contiguous(),
+  const std::vector<at::Tensor> parts = {packed.contiguous(), scale.contiguous(),
                                             minimum.contiguous()};
   const Int4Matrix m = int4_matrix(parts, K, "int4_linear");
   const uint16_t* xp = bf16_data(x, M * K, "int4_linear: x");
   const int64_t N = 16 * m.T;
-  auto out = torch::empty({M, N}, x.options());
+  auto out = at::empty({M, N}, x.options());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   QuantBuffer quantized(M * K);
   std::vector<QuantRow> rows(M);
@@ -445,13 +443,13 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor packed, torch::Tensor s
 // layout: for products of many rows (prefill chunks), which a bf16 matrix product runs many
 // times faster than torch's int4 kernel here (2048 rows by SmolLM2's gate_up: 15 ms against
 // 105, and ~2 ms to unpack).
-torch::Tensor int4_dequantize(torch::Tensor packed, torch::Tensor scale, torch::Tensor minimum) {
+at::Tensor int4_dequantize(at::Tensor packed, at::Tensor scale, at::Tensor minimum) {
   TORCH_CHECK(packed.dim() == 2 && packed.size(1) % 8 == 0, "int4_dequantize: packed [N / 16, 8 K]");
   const int64_t K = packed.size(1) / 8;
-  const std::vector<torch::Tensor> parts = {packed.contiguous(), scale.contiguous(),
+  const std::vector<at::Tensor> parts = {packed.contiguous(), scale.contiguous(),
                                             minimum.contiguous()};
   const Int4Matrix m = int4_matrix(parts, K, "int4_dequantize");
-  auto out = torch::empty({16 * m.T, K}, torch::kBFloat16);
+  auto out = at::empty({16 * m.T, K}, at::kBFloat16);
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   at::parallel_for(0, m.T, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t t = lo; t < hi; ++t)
@@ -480,9 +478,9 @@ namespace {
 // the weights' nine tensors and two norms each call costs a few microseconds a layer).
 class Int4Layer {
  public:
-  Int4Layer(std::vector<torch::Tensor> qkv, c10::optional<torch::Tensor> qkv_bias,
-            torch::Tensor attn_norm, std::vector<torch::Tensor> o, torch::Tensor mlp_norm,
-            std::vector<torch::Tensor> gate_up, std::vector<torch::Tensor> down, double eps,
+  Int4Layer(std::vector<at::Tensor> qkv, c10::optional<at::Tensor> qkv_bias,
+            at::Tensor attn_norm, std::vector<at::Tensor> o, at::Tensor mlp_norm,
+            std::vector<at::Tensor> gate_up, std::vector<at::Tensor> down, double eps,
             std::vector<int64_t> qkv_heads)
       : eps_(static_cast<float>(eps)), heads_(std::move(qkv_heads)) {
     TORCH_CHECK(qkv.size() == 3, "qkv: (packed, scale, minimum)");
@@ -512,13 +510,13 @@ class Int4Layer {
 
   // q, k and v for the token x [1, H]: rms_norm(x) times the fused weight (+ bias, in bf16 as
   // torch adds it), as [heads, 1, head_dim] views of one bf16 row, as the attention takes them.
-  std::vector<torch::Tensor> qkv(torch::Tensor x) {
+  std::vector<at::Tensor> qkv(at::Tensor x) {
     const uint16_t* xp = bf16_data(x, H_, "int4 qkv: x");
     std::vector<uint16_t> h(H_);
     QuantBuffer hq(H_);
     kvchat::norm_row(xp, attn_norm_, H_, eps_, h.data());
     quantize_groups(h.data(), H_, hq);
-    auto out = torch::empty({16 * qkv_.T / head_dim_, 1, head_dim_}, x.options());
+    auto out = at::empty({16 * qkv_.T / head_dim_, 1, head_dim_}, x.options());
     auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     const int nth = at::get_num_threads();
 #pragma omp parallel num_threads(nth)
@@ -534,7 +532,7 @@ class Int4Layer {
   // y + down(silu(gate(h)) * up(h)) with h = rms_norm(y). x [1, H]; attn bf16, its
   // n_heads * head_dim values in any shape (the attention's [n_heads, 1, head_dim] as it
   // is). Returns bf16 [1, H].
-  torch::Tensor tail(torch::Tensor x, torch::Tensor attn) {
+  at::Tensor tail(at::Tensor x, at::Tensor attn) {
     const int64_t H = H_, A = A_, I = I_;
     const uint16_t* xp = bf16_data(x, H, "int4 tail: x");
     const auto attn_rows = attn.contiguous();
@@ -543,7 +541,7 @@ class Int4Layer {
     QuantBuffer attn_q(A), act_q(I);
     quantize_groups(ap, A, attn_q);
     std::vector<uint16_t> y(H), proj(H), gu(2 * I), act(I);
-    auto out = torch::empty({1, H}, x.options());
+    auto out = at::empty({1, H}, x.options());
     auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
     const float e = eps_;
     const uint16_t* wp = mlp_norm_;
@@ -579,7 +577,7 @@ class Int4Layer {
 
  private:
   // The tensors the matrices and norms point into.
-  std::vector<torch::Tensor> held_;
+  std::vector<at::Tensor> held_;
   Int4Matrix qkv_{}, o_{}, gate_up_{}, down_{};
   const uint16_t *attn_norm_ = nullptr, *mlp_norm_ = nullptr, *bias_ = nullptr;
   float eps_;
@@ -591,9 +589,9 @@ class Int4Layer {
 
 void bind_int4_layer(pybind11::module& m) {
   pybind11::class_<Int4Layer>(m, "Int4Layer")
-      .def(pybind11::init<std::vector<torch::Tensor>, c10::optional<torch::Tensor>,
-                          torch::Tensor, std::vector<torch::Tensor>, torch::Tensor,
-                          std::vector<torch::Tensor>, std::vector<torch::Tensor>, double,
+      .def(pybind11::init<std::vector<at::Tensor>, c10::optional<at::Tensor>,
+                          at::Tensor, std::vector<at::Tensor>, at::Tensor,
+                          std::vector<at::Tensor>, std::vector<at::Tensor>, double,
                           std::vector<int64_t>>())
       .def("qkv", &Int4Layer::qkv)
       .def("tail", &Int4Layer::tail);

@@ -1,4 +1,6 @@
 // The Python module of the CPU kernels (kv/cpu_kernel.py builds it).
+#include <torch/csrc/utils/pybind.h>
+
 #include "kernels.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -16,8 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("hits", &BlockLru::hits)
       .def_property_readonly("misses", &BlockLru::misses);
   pybind11::class_<DecodeLayer>(m, "DecodeLayer")
-      .def(pybind11::init<torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor,
-                          torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t,
-                          torch::Tensor, bool, bool, std::shared_ptr<BlockLru>, int64_t>())
+      .def(pybind11::init<at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+                          at::Tensor, at::Tensor, at::Tensor, int64_t, int64_t, int64_t,
+                          at::Tensor, bool, bool, std::shared_ptr<BlockLru>, int64_t>())
       .def("decode", &DecodeLayer::decode);
 }

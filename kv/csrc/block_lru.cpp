@@ -27,8 +27,8 @@ int64_t BlockLru::touch_keys(int64_t layer, const int64_t* keys, int64_t n) {
   return misses;
 }
 
-int64_t BlockLru::touch(int64_t layer, torch::Tensor keys) {
-  const auto flat = keys.to(torch::kLong).contiguous();
+int64_t BlockLru::touch(int64_t layer, at::Tensor keys) {
+  const auto flat = keys.to(at::kLong).contiguous();
   return touch_keys(layer, flat.data_ptr<int64_t>(), flat.numel());
 }
 

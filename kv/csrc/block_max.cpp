@@ -2,7 +2,7 @@
 // the scores of every key. torch's amax over the middle dimension of bf16 [heads, keys, rows]
 // scores costs more than the matmul that makes them; here each key's row of scores is read
 // once, widened in registers and folded into its block's running maxima.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <algorithm>
 
@@ -32,11 +32,11 @@ void block_max_rows(const T* s, int64_t groups, int64_t block, int64_t R, float*
 
 // scores: contiguous [H, n * block, R] in bf16 or fp32; returns fp32 [H, n, R], each the
 // largest of its block's `block` rows.
-torch::Tensor block_max(torch::Tensor scores, int64_t block) {
+at::Tensor block_max(at::Tensor scores, int64_t block) {
   TORCH_CHECK(scores.dim() == 3 && scores.is_contiguous(), "scores: contiguous [H, keys, rows]");
   TORCH_CHECK(block > 0 && scores.size(1) % block == 0, "keys must be whole blocks");
   const int64_t H = scores.size(0), n = scores.size(1) / block, R = scores.size(2);
-  auto out = torch::empty({H, n, R}, scores.options().dtype(torch::kFloat));
+  auto out = at::empty({H, n, R}, scores.options().dtype(at::kFloat));
   if (H * n * R == 0) return out;
   if (scores.scalar_type() == at::kBFloat16)
     block_max_rows(reinterpret_cast<const uint16_t*>(scores.data_ptr()), H * n, block, R,

@@ -23,8 +23,7 @@
 // bytes of bf16), dequantized a tile at a time (128-row K and V tiles in L1) into what
 // BlockPool.gather makes: a 128K step with INT8 blocks read in place takes 16.2 ms, a third
 // less than gathering them first (24.4 ms).
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cmath>
@@ -827,10 +826,10 @@ void dispatch(bool bf16, Math math, const float* q, int64_t n_kv, int G,
 // [n_kv, runs_i]); formats[i] (Format): 1 / 2 when the sources are uint8 rows of INT8 / INT4
 // blocks (kv/quant.py's pool storage), each run one block of rows[i] rows, starts[i] in bytes,
 // strides[i] == D. Returns [n_heads, 1, D] in q0's dtype (computed in fp32).
-torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
-                               std::vector<torch::Tensor> k_srcs, std::vector<torch::Tensor> v_srcs,
+at::Tensor decode_attention(at::Tensor q0, at::Tensor q1,
+                               std::vector<at::Tensor> k_srcs, std::vector<at::Tensor> v_srcs,
                                std::vector<int64_t> qids, std::vector<int64_t> strides,
-                               std::vector<int64_t> rows, std::vector<torch::Tensor> starts,
+                               std::vector<int64_t> rows, std::vector<at::Tensor> starts,
                                std::vector<int64_t> formats, int64_t n_kv, double scale) {
   const int64_t n_heads = q0.size(0), D = q0.size(-1), G = n_heads / n_kv;
   TORCH_CHECK(n_heads % n_kv == 0, "n_heads must be a multiple of n_kv");
@@ -839,8 +838,8 @@ torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
   const auto dtype = k_srcs[0].scalar_type();
   TORCH_CHECK(dtype == at::kBFloat16 || dtype == at::kFloat, "keys must be bf16 or fp32");
   // [n_kv, 2, G, D]: both queries of a head next to each other.
-  auto q = torch::stack({q0.reshape({n_kv, G, D}), q1.reshape({n_kv, G, D})}, 1)
-               .to(torch::kFloat)
+  auto q = at::stack({q0.reshape({n_kv, G, D}), q1.reshape({n_kv, G, D})}, 1)
+               .to(at::kFloat)
                .contiguous();
   std::vector<KeySet> sets;
   std::vector<std::vector<KeyRun>> runs(n_kv);
@@ -873,7 +872,7 @@ torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
       }
   }
   for (int64_t h = 0; h < n_kv; ++h) TORCH_CHECK(!runs[h].empty(), "every head needs a key");
-  auto out = torch::empty({n_kv, G, D}, q.options());
+  auto out = at::empty({n_kv, G, D}, q.options());
   const bool bf16_queries =
       q0.scalar_type() == at::kBFloat16 && q1.scalar_type() == at::kBFloat16;
   kvchat::attend_sets(q.data_ptr<float>(), n_kv, G, D, dtype == at::kBFloat16, bf16_queries,

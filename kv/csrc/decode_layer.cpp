@@ -21,12 +21,12 @@
 
 namespace {
 
-const uint16_t* bf16_data(const torch::Tensor& t) {
+const uint16_t* bf16_data(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr());
 }
 
 // n rows of D bf16 values `stride` apart in `x` ([n, 1, D] with any row stride), checked.
-const uint16_t* bf16_rows(const torch::Tensor& x, int64_t n, int64_t D, const char* what) {
+const uint16_t* bf16_rows(const at::Tensor& x, int64_t n, int64_t D, const char* what) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 3 && x.size(0) == n &&
                   x.size(1) == 1 && x.size(2) == D && x.stride(2) == 1,
               what, ": bf16 [", n, ", 1, ", D, "] with contiguous rows");
@@ -34,7 +34,7 @@ const uint16_t* bf16_rows(const torch::Tensor& x, int64_t n, int64_t D, const ch
 }
 
 // One position's rotation table: D bf16 values.
-const uint16_t* table(const torch::Tensor& t, int64_t D) {
+const uint16_t* table(const at::Tensor& t, int64_t D) {
   TORCH_CHECK(t.scalar_type() == at::kBFloat16 && t.numel() == D && t.is_contiguous(),
               "cos and sin: bf16 [1, D]");
   return bf16_data(t);
@@ -42,10 +42,10 @@ const uint16_t* table(const torch::Tensor& t, int64_t D) {
 
 }  // namespace
 
-DecodeLayer::DecodeLayer(torch::Tensor win_k, torch::Tensor win_v, torch::Tensor win_store_k,
-                         torch::Tensor sink_k, torch::Tensor sink_v, torch::Tensor pool_k,
-                         torch::Tensor pool_v, int64_t format, int64_t slot_unit,
-                         int64_t max_blocks, torch::Tensor anchors, bool quest, bool shared,
+DecodeLayer::DecodeLayer(at::Tensor win_k, at::Tensor win_v, at::Tensor win_store_k,
+                         at::Tensor sink_k, at::Tensor sink_v, at::Tensor pool_k,
+                         at::Tensor pool_v, int64_t format, int64_t slot_unit,
+                         int64_t max_blocks, at::Tensor anchors, bool quest, bool shared,
                          std::shared_ptr<BlockLru> lru, int64_t layer)
     : win_k_(win_k), win_v_(win_v), win_store_k_(win_store_k), sink_k_(sink_k), sink_v_(sink_v),
       pool_k_(pool_k), pool_v_(pool_v), anchors_(anchors), format_(format),
@@ -74,11 +74,11 @@ DecodeLayer::DecodeLayer(torch::Tensor win_k, torch::Tensor win_v, torch::Tensor
   runs_.resize(n_kv);
 }
 
-std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::decode(
-    torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor cos, torch::Tensor sin,
-    torch::Tensor far_cos, torch::Tensor far_sin, int64_t col, int64_t ws, bool sinks,
-    std::optional<torch::Tensor> known, int64_t first, int64_t last, int64_t budget,
-    torch::Tensor pinned) {
+std::tuple<at::Tensor, at::Tensor> DecodeLayer::decode(
+    at::Tensor q, at::Tensor k, at::Tensor v, at::Tensor cos, at::Tensor sin,
+    at::Tensor far_cos, at::Tensor far_sin, int64_t col, int64_t ws, bool sinks,
+    std::optional<at::Tensor> known, int64_t first, int64_t last, int64_t budget,
+    at::Tensor pinned) {
   const int64_t n_kv = win_k_.size(0), cap = win_k_.size(1), D = win_k_.size(2);
   const int64_t n_heads = q.size(0), G = n_heads / n_kv;
   TORCH_CHECK(n_heads % n_kv == 0, "n_heads must be a multiple of n_kv");
@@ -121,7 +121,7 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::decode(
     }
 
   // The blocks to read: the caller's (a reused selection, or none), else ranked here.
-  torch::Tensor blocks;
+  at::Tensor blocks;
   if (known) {
     blocks = known->contiguous();
     TORCH_CHECK(blocks.scalar_type() == at::kLong && blocks.dim() >= 1 && blocks.dim() <= 2 &&
@@ -131,8 +131,8 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::decode(
     TORCH_CHECK(0 <= first && last <= anchors_.size(0), "bad candidate range");
     TORCH_CHECK(anchors_.size(2) == (quest_ ? 2 : 1), "QUEST needs 2 anchor rows, other types 1");
     const int64_t n = std::min(budget, last - first);
-    blocks = torch::empty(shared_ ? std::vector<int64_t>{n} : std::vector<int64_t>{n_kv, n},
-                          torch::kLong);
+    blocks = at::empty(shared_ ? std::vector<int64_t>{n} : std::vector<int64_t>{n_kv, n},
+                          at::kLong);
     qsel_.resize(n_heads * D);
     for (int64_t i = 0; i < n_heads * D; ++i) qsel_[i] = kvchat::bf16_to_float(qf[i]);
     TORCH_CHECK(pinned.scalar_type() == at::kLong && pinned.dim() == 1 && pinned.is_contiguous(),
@@ -142,7 +142,7 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::decode(
                         first, last, n, quest_, shared_, pinned.data_ptr<int64_t>(),
                         pinned.numel(), blocks.data_ptr<int64_t>());
   } else {
-    blocks = torch::empty({0}, torch::kLong);
+    blocks = at::empty({0}, at::kLong);
   }
 
   // The sets: the window (query 0), the sinks and the blocks (query 1); block b of head h is
@@ -186,7 +186,7 @@ std::tuple<torch::Tensor, torch::Tensor> DecodeLayer::decode(
   out32_.resize(n_heads * D);
   kvchat::attend_sets(q32_.data(), n_kv, G, D, true, true, sets_, runs_,
                       static_cast<float>(std::pow(static_cast<double>(D), -0.5)), out32_.data());
-  auto out = torch::empty({n_heads, 1, D}, q.options());
+  auto out = at::empty({n_heads, 1, D}, q.options());
   auto* op = reinterpret_cast<uint16_t*>(out.data_ptr());
   for (int64_t i = 0; i < n_heads * D; ++i) op[i] = kvchat::float_to_bf16(out32_[i]);
   return {out, blocks};

@@ -2,7 +2,7 @@
 // into the destination, the slots split across torch's threads. torch's path takes six passes
 // over the gathered bytes (index_select, unpack, widen, scale, add, round) with fp32
 // intermediates; here each block is read once and written once.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include "dequant.h"
 #include "kernels.h"
@@ -37,7 +37,7 @@ void dispatch(int64_t D, const uint8_t* storage, int64_t row_bytes, const int64_
 
 // storage: a pool's uint8 rows [n_slots, bytes_per_slot]; slots: int64 [n]; out: contiguous
 // [>= n, block, D] in bf16 or fp32; format 1 (INT8) or 2 (INT4). Returns out[:n].
-torch::Tensor gather_blocks(torch::Tensor storage, torch::Tensor slots, torch::Tensor out,
+at::Tensor gather_blocks(at::Tensor storage, at::Tensor slots, at::Tensor out,
                             int64_t format) {
   TORCH_CHECK(format == 1 || format == 2, "format 1 (INT8) or 2 (INT4)");
   TORCH_CHECK(storage.scalar_type() == at::kByte && storage.dim() == 2 && storage.is_contiguous(),

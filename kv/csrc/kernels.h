@@ -2,7 +2,7 @@
 // composes them.
 #pragma once
 
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include <cstdint>
 #include <list>
@@ -58,20 +58,20 @@ void rotate_rows(const uint16_t* x, int64_t rows, int64_t x_stride, int64_t D,
 
 }  // namespace kvchat
 
-torch::Tensor decode_attention(torch::Tensor q0, torch::Tensor q1,
-                               std::vector<torch::Tensor> k_srcs, std::vector<torch::Tensor> v_srcs,
+at::Tensor decode_attention(at::Tensor q0, at::Tensor q1,
+                               std::vector<at::Tensor> k_srcs, std::vector<at::Tensor> v_srcs,
                                std::vector<int64_t> qids, std::vector<int64_t> strides,
-                               std::vector<int64_t> rows, std::vector<torch::Tensor> starts,
+                               std::vector<int64_t> rows, std::vector<at::Tensor> starts,
                                std::vector<int64_t> formats, int64_t n_kv, double scale);
 
-torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t first, int64_t last,
-                            int64_t k, bool quest, bool shared, torch::Tensor pinned);
+at::Tensor select_blocks(at::Tensor q, at::Tensor anchors, int64_t first, int64_t last,
+                            int64_t k, bool quest, bool shared, at::Tensor pinned);
 
-torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+at::Tensor rotate(at::Tensor x, at::Tensor cos, at::Tensor sin);
 
-torch::Tensor block_max(torch::Tensor scores, int64_t block);
+at::Tensor block_max(at::Tensor scores, int64_t block);
 
-torch::Tensor gather_blocks(torch::Tensor storage, torch::Tensor slots, torch::Tensor out,
+at::Tensor gather_blocks(at::Tensor storage, at::Tensor slots, at::Tensor out,
                             int64_t format);
 
 // Which blocks each layer would find resident on the compute device (block_lru.cpp): an LRU of
@@ -81,7 +81,7 @@ class BlockLru {
  public:
   BlockLru(int64_t n_layers, int64_t capacity);
   // Returns the misses; hits() and misses() count every touch so far.
-  int64_t touch(int64_t layer, torch::Tensor keys);
+  int64_t touch(int64_t layer, at::Tensor keys);
   int64_t touch_keys(int64_t layer, const int64_t* keys, int64_t n);
   // A smaller capacity drops each layer's least recently used keys.
   void resize(int64_t capacity);
@@ -103,22 +103,22 @@ class BlockLru {
 // One layer of the block-sparse cache as the decode step's single call sees it (decode_layer.cpp).
 class DecodeLayer {
  public:
-  DecodeLayer(torch::Tensor win_k, torch::Tensor win_v, torch::Tensor win_store_k,
-              torch::Tensor sink_k, torch::Tensor sink_v, torch::Tensor pool_k,
-              torch::Tensor pool_v, int64_t format, int64_t slot_unit, int64_t max_blocks,
-              torch::Tensor anchors, bool quest, bool shared, std::shared_ptr<BlockLru> lru,
+  DecodeLayer(at::Tensor win_k, at::Tensor win_v, at::Tensor win_store_k,
+              at::Tensor sink_k, at::Tensor sink_v, at::Tensor pool_k,
+              at::Tensor pool_v, int64_t format, int64_t slot_unit, int64_t max_blocks,
+              at::Tensor anchors, bool quest, bool shared, std::shared_ptr<BlockLru> lru,
               int64_t layer);
 
-  std::tuple<torch::Tensor, torch::Tensor> decode(torch::Tensor q, torch::Tensor k, torch::Tensor v,
-                                                  torch::Tensor cos, torch::Tensor sin,
-                                                  torch::Tensor far_cos, torch::Tensor far_sin,
+  std::tuple<at::Tensor, at::Tensor> decode(at::Tensor q, at::Tensor k, at::Tensor v,
+                                                  at::Tensor cos, at::Tensor sin,
+                                                  at::Tensor far_cos, at::Tensor far_sin,
                                                   int64_t col, int64_t ws, bool sinks,
-                                                  std::optional<torch::Tensor> known, int64_t first,
+                                                  std::optional<at::Tensor> known, int64_t first,
                                                   int64_t last, int64_t budget,
-                                                  torch::Tensor pinned);
+                                                  at::Tensor pinned);
 
  private:
-  torch::Tensor win_k_, win_v_, win_store_k_, sink_k_, sink_v_, pool_k_, pool_v_, anchors_;
+  at::Tensor win_k_, win_v_, win_store_k_, sink_k_, sink_v_, pool_k_, pool_v_, anchors_;
   int64_t format_, slot_unit_, max_blocks_;
   bool quest_, shared_;
   // Where this layer's block reads are counted (the device block cache), as keys: block ids

@@ -2,7 +2,7 @@
 // torch expression gives: x * cos and rotate_half(x) * sin each rounded to bf16, their sum
 // rounded again (a product of two bf16 values is exact in fp32, so the roundings match).
 // Eight torch ops and their temporaries cost 17-28 us a call at decode sizes here; this 1-2.5.
-#include <torch/extension.h>
+#include "tensor.h"
 
 #include "bf16.h"
 #include "kernels.h"
@@ -27,7 +27,7 @@ void rotate_row(const uint16_t* x, const uint16_t* c, const uint16_t* s, int64_t
 }  // namespace
 
 // x: bf16 [..., T, D]; cos, sin: bf16 [T, D]. Returns a new contiguous tensor like x.
-torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
+at::Tensor rotate(at::Tensor x, at::Tensor cos, at::Tensor sin) {
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && cos.scalar_type() == at::kBFloat16 &&
                   sin.scalar_type() == at::kBFloat16, "rotate: bf16 tensors");
   const int64_t D = x.size(-1), T = x.dim() > 1 ? x.size(-2) : 1;
@@ -36,7 +36,7 @@ torch::Tensor rotate(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   x = x.contiguous();
   cos = cos.contiguous();
   sin = sin.contiguous();
-  auto out = torch::empty_like(x);
+  auto out = at::empty_like(x);
   const auto* xp = reinterpret_cast<const uint16_t*>(x.data_ptr());
   const auto* cp = reinterpret_cast<const uint16_t*>(cos.data_ptr());
   const auto* sp = reinterpret_cast<const uint16_t*>(sin.data_ptr());

@@ -11,8 +11,7 @@
 //
 // QUEST and BLOCK_MAX anchors are key values, stored in the keys' dtype (kv/anchors.py): bf16
 // anchors are widened to fp32 here, which halves the bytes this pass reads at no loss.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+#include "tensor.h"
 
 #include <algorithm>
 #include <cstdint>
@@ -69,8 +68,8 @@ void score(const A* ap, const float* w, int64_t n, int64_t n_kv, int64_t width, 
 // candidates are first..last-1); quest: R == 2 and the bound weights; shared: one ranking
 // summed over heads, else one per KV head; pinned: int64 block ids chosen before any other.
 // Returns int64 block ids, ascending: [k] (shared) or [n_kv, k].
-torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t first, int64_t last,
-                            int64_t k, bool quest, bool shared, torch::Tensor pinned) {
+at::Tensor select_blocks(at::Tensor q, at::Tensor anchors, int64_t first, int64_t last,
+                            int64_t k, bool quest, bool shared, at::Tensor pinned) {
   TORCH_CHECK(q.scalar_type() == at::kFloat, "fp32 query");
   const bool bf16 = anchors.scalar_type() == at::kBFloat16;
   TORCH_CHECK(bf16 || anchors.scalar_type() == at::kFloat, "fp32 or bf16 anchors");
@@ -83,8 +82,8 @@ torch::Tensor select_blocks(torch::Tensor q, torch::Tensor anchors, int64_t firs
   TORCH_CHECK(pinned.scalar_type() == at::kLong && pinned.dim() == 1, "pinned: int64 [P]");
   pinned = pinned.contiguous();
   k = std::min(k, last - first);
-  auto out = torch::empty(shared ? std::vector<int64_t>{k} : std::vector<int64_t>{n_kv, k},
-                          torch::kLong);
+  auto out = at::empty(shared ? std::vector<int64_t>{k} : std::vector<int64_t>{n_kv, k},
+                          at::kLong);
   kvchat::rank_blocks(q.contiguous().data_ptr<float>(), n_heads, anchors.data_ptr(), bf16, n_kv,
                       R, D, first, last, k, quest, shared, pinned.data_ptr<int64_t>(),
                       pinned.numel(), out.data_ptr<int64_t>());

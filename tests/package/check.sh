@@ -34,11 +34,11 @@ step "kvchat --version, --help"
 "$venv/kvchat" --help >/dev/null
 step "kvchat models install smollm2-135m"
 "$venv/kvchat" models install smollm2-135m
-step "kvchat plan --model smollm2-135m"
+step "kvchat plan --model smollm2-135m (the C++ kernels build first, from the installed sources)"
 "$venv/kvchat" plan --model smollm2-135m
 sample=$("$venv/python" -c \
     "from importlib import resources; print(resources.files('kvchat.core') / 'data/sample.txt')")
-step "kvchat ask over $sample (the kernels build first)"
+step "kvchat ask over $sample"
 "$venv/kvchat" ask --model smollm2-135m --set generation.max_new_tokens=24 \
     --prompt-file "$sample" "When was the lighthouse built?"
 ls "$TORCH_EXTENSIONS_DIR"
