@@ -42,11 +42,17 @@ LEVEL_TESTS := tests/kv/test_cpu_kernel.py tests/kv/test_decode_layer.py \
 ABOVE_AVX2 := from kvchat.native.cpu import CpuLevel, machine_level; \
 	raise SystemExit(machine_level().rank <= CpuLevel.AVX2.rank)
 
+# Two test processes, each on its share of the cores (tests/conftest.py); a file's tests run
+# in one of them, in order.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest -q --durations=15 $(PYTEST_ARGS)
+	$(VENV)/bin/python -m pytest -q --durations=15 -n $(PYTEST_WORKERS) --dist loadfile \
+		$(PYTEST_ARGS)
 	if $(PY) -c "$(ABOVE_AVX2)"; then \
-		KVCHAT_CPU_LEVEL=avx2 $(PY) -m pytest -q -p no:cacheprovider $(LEVEL_TESTS); fi
+		KVCHAT_CPU_LEVEL=avx2 $(PY) -m pytest -q -p no:cacheprovider \
+			-n $(PYTEST_WORKERS) --dist loadfile $(LEVEL_TESTS); fi
 	$(MAKE) package-check
 
 # The wheel as users install it, alone in a new venv (tests/package/check.sh).

@@ -20,6 +20,21 @@ atexit.register(shutil.rmtree, os.environ["KVCHAT_HOME"], ignore_errors=True)
 # compute a token. Tests of the default model itself unset this.
 os.environ["KVCHAT_MODEL"] = "smollm2-135m"
 
+
+def _own_share_of_the_cores() -> None:
+    """Under pytest-xdist each worker computes on its own share of the cores, as on a smaller
+    machine: two processes' torch threads on the same cores slow both many times over. Set
+    before torch loads, so its thread pool and the engine count only this share."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    index, count = int(worker.removeprefix("gw")), int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    os.sched_setaffinity(0, cores[index % len(cores) :: count])
+
+
+_own_share_of_the_cores()
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
@@ -126,10 +141,13 @@ def fake_cgroups(tmp_path, monkeypatch):
     return write
 
 
-@pytest.fixture(scope="session", autouse=True)
-def kernels_built() -> None:
-    """The C++ kernels are built (or loaded from the cache) before the first test: a build
-    takes minutes on some CPUs, and no test's own waiting should include it."""
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The C++ kernels are built (or loaded from the cache) before the first test, on every
+    core: a build takes minutes on some CPUs, and no test's own waiting should include it.
+    Under pytest-xdist this runs in the controller before the workers start, so a worker on
+    its share of the cores only loads them."""
+    if os.environ.get("PYTEST_XDIST_WORKER") is not None:
+        return
     from kvchat.core import cpu_ops
     from kvchat.kv import cpu_kernel
 

@@ -89,7 +89,6 @@ def main() -> None:
         overrides=[
             f"long_context.kv_type={kv_type}",
             f"long_context.max_seq_len={planned}",
-            "model.threads=2",
         ]
     ).settings
     engine = Engine.load(settings, str(model))

@@ -192,7 +192,7 @@ async def test_esc_stops_a_prefill_and_the_session_stays_usable(
     settings: Settings, engine: Engine, gate: StepGate, tmp_path: Path
 ) -> None:
     doc = tmp_path / "long.txt"
-    doc.write_text(" ".join(f"Line {i}: the lighthouse keeper logs weather." for i in range(260)))
+    doc.write_text(" ".join(f"Line {i}: the lighthouse keeper logs weather." for i in range(60)))
     app = KvchatApp(settings, engine=engine)
     async with app.run_test(size=(140, 45)) as pilot, gate:
         gate.arm(EngineStep.PREFILLED)  # held after the document's first chunk
@@ -216,10 +216,10 @@ async def test_esc_stops_a_prefill_and_the_session_stays_usable(
 async def ask_during_a_prefill(
     pilot: Pilot, app: KvchatApp, engine: Engine, gate: StepGate, folder: Path
 ) -> int:
-    """Load a ~6K-token document and, while its prefill is held after its first chunk, send a
+    """Load a three-chunk document and, while its prefill is held after its first chunk, send a
     question; it must wait. Returns the document's token count."""
     doc = folder / "long.txt"
-    doc.write_text(" ".join(f"Line {i}: the lighthouse keeper logs weather." for i in range(450)))
+    doc.write_text(" ".join(f"Line {i}: the lighthouse keeper logs weather." for i in range(60)))
     gate.arm(EngineStep.PREFILLED)
     await load_through_dialog(pilot, app, doc)
     await wait_for(pilot, gate.held.is_set)
