@@ -65,7 +65,7 @@ def test_a_live_build_is_waited_for(tmp_path):
     finally:
         child.kill()
         child.wait()
-    assert acquired.wait(10)
+    assert acquired.wait(120)
     thread.join()
 
 

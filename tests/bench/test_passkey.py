@@ -41,7 +41,7 @@ def test_grid_with_dense_attention(dense_settings):
     progress: list[tuple[int, int]] = []
     result = run_passkey_bench(
         dense_settings,
-        [1024, 2048],
+        [512, 1024],
         2,
         log=lines.append,
         on_progress=lambda done, total: progress.append((done, total)),
@@ -56,10 +56,10 @@ def test_grid_with_dense_attention(dense_settings):
     assert result["machine"]["cores"] >= 1
     cells = result["cells"]
     assert [(c["length"], c["depth"]) for c in cells] == [
+        (512, 0.0),
+        (512, 1.0),
         (1024, 0.0),
         (1024, 1.0),
-        (2048, 0.0),
-        (2048, 1.0),
     ]
     for cell in cells:
         assert abs(cell["document_tokens"] - cell["length"]) <= 16
@@ -69,7 +69,7 @@ def test_grid_with_dense_attention(dense_settings):
         # The cell's peak RSS beside the plan for what its cache holds (prompt and reply).
         assert cell["prompt_tokens"] <= cell["cache_tokens"] <= cell["prompt_tokens"] + 16
         assert 0 < cell["peak_rss_bytes"] <= cell["plan_total_bytes"], cell
-    assert [r["length"] for r in result["per_length"]] == [1024, 2048]
+    assert [r["length"] for r in result["per_length"]] == [512, 1024]
     for row in result["per_length"]:
         assert row["total"] == 2 and 0.0 <= row["accuracy"] <= 1.0
     assert 0.0 <= result["overall_accuracy"] <= 1.0

@@ -5,12 +5,15 @@ all."""
 from __future__ import annotations
 
 import pytest
+from textual.command import Command, CommandList
 
 from kvchat.config import KeySettings, Settings, schema_fields
 from kvchat.core.engine import Engine
 from kvchat.tui.app import KvchatApp
 from kvchat.tui.commands import ACTIONS, COMMANDS, help_text
 from kvchat.tui.widgets.prompt import PromptInput
+
+from .conftest import wait_for
 
 pytestmark = pytest.mark.anyio
 
@@ -77,8 +80,19 @@ async def test_the_palette_types_the_system_command(settings: Settings, engine: 
         await pilot.press("ctrl+p")
         await pilot.pause()
         await pilot.press(*"system")
-        await pilot.pause(0.5)
+        # The palette searches in a worker: Enter goes in once the command is highlighted.
+        await wait_for(pilot, lambda: highlighted_hit(app) == "System prompt")
         await pilot.press("enter")
         await pilot.pause()
         prompt = app.query_one("#prompt", PromptInput)
         assert prompt.text == "/system " and prompt.has_focus
+
+
+def highlighted_hit(app: KvchatApp) -> str | None:
+    """The title of the command palette's highlighted hit (None: no hit yet)."""
+    hits = app.screen.query_one(CommandList)
+    if hits.highlighted is None:
+        return None
+    hit = hits.get_option_at_index(hits.highlighted)
+    assert isinstance(hit, Command)
+    return hit.hit.text

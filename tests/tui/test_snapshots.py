@@ -24,6 +24,8 @@ from kvchat.tui.screens.load_file import LoadFileScreen
 from kvchat.tui.screens.settings import SettingsScreen
 from kvchat.tui.widgets.chat import ChatPane
 
+from .conftest import wait_for
+
 SIZE = (140, 44)
 OVERRIDES = ["generation.max_new_tokens=8", "long_context.max_seq_len=65536"]
 DOCUMENT = DocumentInfo(
@@ -116,11 +118,7 @@ def no_blinking(app: KvchatApp) -> None:
 
 
 async def wait_for_screen(pilot: Pilot, screen_type: type) -> None:
-    for _ in range(200):
-        if isinstance(pilot.app.screen, screen_type):
-            return
-        await pilot.pause(0.05)
-    raise AssertionError(f"{screen_type.__name__} did not open")
+    await wait_for(pilot, lambda: isinstance(pilot.app.screen, screen_type))
 
 
 def make_app(settings: Settings, engine: Engine, home: Path) -> KvchatApp:
@@ -160,10 +158,7 @@ def test_file_dialog(snap_compare, settings, engine, home) -> None:
         await pilot.press("ctrl+o")
         await wait_for_screen(pilot, LoadFileScreen)
         tree = app.screen.query_one(DirectoryTree)
-        for _ in range(200):  # the tree lists the folder in a worker
-            if len(tree.root.children) == 3:
-                break
-            await pilot.pause(0.05)
+        await wait_for(pilot, lambda: len(tree.root.children) == 3)  # listed in a worker
         no_blinking(app)
 
     assert snap_compare(app, terminal_size=SIZE, run_before=run_before)
