@@ -6,9 +6,9 @@ import atexit
 import os
 import shutil
 import tempfile
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 # Must be set before any @triton.jit kernel runs, i.e. before kvchat.kv kernels are imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -146,12 +146,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Files with the most slow tests first, each file's tests in their own order: pytest-xdist
     hands out whole files in this order, and a long file handed out last keeps one worker
     busy while the other has nothing left."""
-    slow: dict[Path, int] = {}
-    for item in items:
-        slow[item.path] = slow.get(item.path, 0) + (item.get_closest_marker("slow") is not None)
-    files = sorted(slow, key=lambda path: -slow[path])
-    rank = {path: index for index, path in enumerate(files)}
-    items.sort(key=lambda item: rank[item.path])
+    # A stable sort of the items themselves: a file's tests stay together, in their order.
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
