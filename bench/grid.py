@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, replace
+from dataclasses import asdict, dataclass, replace
 
 import psutil
 import torch
 
 from kvchat.config import AttentionMode, GenerationSettings, Settings
-from kvchat.core.engine import Engine, EngineStats
+from kvchat.core.engine import Engine, EngineStats, ProgressFn, Session
 from kvchat.core.memory import peak_rss, reset_peak_rss
 from kvchat.core.plan import PlanRefusedError
 from kvchat.core.tokenizer import Tokenizer
@@ -92,6 +93,54 @@ def needle_recall(cache: CacheStats, needles: Sequence[int] | None) -> float | N
         return None
     hits = sum(n in layer.selected for layer in layers for n in candidates)
     return hits / (len(layers) * len(candidates))
+
+
+@dataclass(frozen=True)
+class Answer:
+    text: str
+    seconds: float  # from the document's prefill to the answer's last token
+    recall_question: float | None  # needle_recall after the question's pass
+    recall_first_token: float | None  # ... at the step that decoded the first answer token
+    recall_answer: float | None  # ... averaged over the answer's tokens
+
+
+def answer_greedily(
+    session: Session,
+    prompt: list[int],
+    max_new_tokens: int,
+    blocks: Sequence[int] | None,
+    on_progress: ProgressFn | None,
+) -> Answer:
+    """Prefills the session's document, then `prompt` (two passes, as `kvchat ask` and the app
+    do), and decodes greedily to the end of the reply, recording where the needles' `blocks`
+    were selected."""
+    engine = session.engine
+    tokenizer = engine.tokenizer
+    conversation = session.conversation
+    params = greedy(engine.settings.generation, max_new_tokens)
+    started = time.perf_counter()
+    for ids in (conversation.document_prefix_ids(tokenizer), prompt):
+        if on_progress is not None:
+            on_progress(0, len(ids) - len(session.tokens))  # a new prefill
+        session.sync(ids, on_progress)
+    recalls = [needle_recall(session.cache_stats(), blocks)]  # the question's pass
+    eos = set(tokenizer.eos_ids)
+    reply: list[int] = []
+    for token in session.generate(params):
+        if reply:  # the selections of the step that decoded the previous token
+            recalls.append(needle_recall(session.cache_stats(), blocks))
+        if token in eos:
+            break
+        reply.append(token)
+    seconds = time.perf_counter() - started
+    answer_recalls = [r for r in recalls[1:] if r is not None]
+    return Answer(
+        text=tokenizer.decode(reply),
+        seconds=seconds,
+        recall_question=recalls[0],
+        recall_first_token=recalls[1] if len(recalls) > 1 else None,
+        recall_answer=sum(answer_recalls) / len(answer_recalls) if answer_recalls else None,
+    )
 
 
 def timings(stats: EngineStats) -> dict:

@@ -22,13 +22,12 @@ from kvchat.core.weights import resolve_model_path
 
 from .grid import (
     Log,
+    answer_greedily,
     depth_grid,
     engine_facts,
     fitting_settings,
-    greedy,
     log_summary,
     needle_blocks,
-    needle_recall,
     run_beside_dense,
     timings,
 )
@@ -60,28 +59,11 @@ class _Cells:
         conversation = session.conversation
         conversation.document_ids = tokenizer.encode_long(document)
         conversation.document_name = f"niah-{length}-{depth:g}"
-        params = greedy(engine.settings.generation, spec.max_new_tokens)
         prompt = conversation.prompt_ids(tokenizer, problem.question)
-        engine.check_fits(len(prompt), params.max_new_tokens)  # refuse before any work
+        engine.check_fits(len(prompt), spec.max_new_tokens)  # refuse before any work
         blocks = needle_blocks(engine, document, problem.value_offsets(document))
-        started = time.perf_counter()
-        for ids in (conversation.document_prefix_ids(tokenizer), prompt):
-            if self.on_progress is not None:
-                self.on_progress(0, len(ids) - len(session.tokens))  # a new prefill
-            session.sync(ids, self.on_progress)
-        recalls = [needle_recall(session.cache_stats(), blocks)]  # the question's pass
-        eos = set(tokenizer.eos_ids)
-        reply: list[int] = []
-        for token in session.generate(params):
-            if reply:  # the selections of the step that decoded the previous token
-                recalls.append(needle_recall(session.cache_stats(), blocks))
-            if token in eos:
-                break
-            reply.append(token)
-        seconds = time.perf_counter() - started
-        answer = tokenizer.decode(reply)
-        hits = [found(answer, value) for value in problem.expected]
-        answer_recalls = [r for r in recalls[1:] if r is not None]
+        answer = answer_greedily(session, prompt, spec.max_new_tokens, blocks, self.on_progress)
+        hits = [found(answer.text, value) for value in problem.expected]
         return {
             "length": length,
             "depth": depth,
@@ -90,17 +72,15 @@ class _Cells:
             "expected": problem.expected,
             "document_tokens": len(conversation.document_ids),
             "prompt_tokens": len(prompt),
-            "answer": answer,
+            "answer": answer.text,
             "ok": all(hits),
             "score": sum(hits) / len(hits),
             **timings(engine.stats()),
-            "seconds": seconds,
+            "seconds": answer.seconds,
             "needle_blocks": blocks,
-            "needle_recall_question": recalls[0],
-            "needle_recall_first_token": recalls[1] if len(recalls) > 1 else None,
-            "needle_recall_answer": (
-                sum(answer_recalls) / len(answer_recalls) if answer_recalls else None
-            ),
+            "needle_recall_question": answer.recall_question,
+            "needle_recall_first_token": answer.recall_first_token,
+            "needle_recall_answer": answer.recall_answer,
         }
 
 

@@ -17,7 +17,6 @@ order, so that no two neighbouring paragraphs repeat a sequence.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import random
 import re
 from collections.abc import Iterable, Iterator
@@ -26,6 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvchat.core.documents import DocumentError, read_document
+
+from .installed import installed_file
 
 if TYPE_CHECKING:
     from kvchat.core.tokenizer import Tokenizer
@@ -70,10 +71,8 @@ def load_prose(source: str) -> Prose:
 
 def news() -> Prose:
     """The Lee corpus's articles, one paragraph each, from gensim's installed test data."""
-    spec = importlib.util.find_spec(_NEWS_PACKAGE)
-    folders = spec.submodule_search_locations if spec is not None else None
-    path = Path(folders[0]).joinpath(*_NEWS_FILE) if folders else None
-    if path is None or not path.is_file():
+    path = installed_file(_NEWS_PACKAGE, *_NEWS_FILE)
+    if path is None:
         raise ProseMissingError(
             f"the news haystack is gensim's copy of the Lee corpus: {_NEWS_INSTALL} "
             f"(or choose --haystack {PYTHON_DOCS}, or a text file)"

@@ -587,6 +587,29 @@ def _parse_depths(text: str) -> int | list[float]:
         raise argparse.ArgumentTypeError(f"bad depths {text!r}: {e}") from None
 
 
+def _parse_ruler_tasks(text: str) -> list:
+    """RULER's tasks by name, comma separated; `all` for the thirteen, or a family's prefix
+    (`niah`, `qa`)."""
+    from kvchat.bench.ruler.tasks import RulerTask
+
+    chosen: list[RulerTask] = []
+    for part in (p.strip().lower() for p in text.split(",") if p.strip()):
+        matched = [
+            t
+            for t in RulerTask
+            if part == "all" or t.value == part or t.value.startswith(f"{part}_")
+        ]
+        if not matched:
+            raise argparse.ArgumentTypeError(
+                f"unknown RULER task {part!r}; choose from all, niah, qa, "
+                + ", ".join(t.value for t in RulerTask)
+            )
+        chosen += [t for t in matched if t not in chosen]
+    if not chosen:
+        raise argparse.ArgumentTypeError("no RULER task given")
+    return chosen
+
+
 def _prefill_lines() -> Callable[[int, int], None]:
     """Progress of a benchmark's prefills: a fresh line (and clock) for each."""
     line: list[ProgressLine] = []
@@ -899,7 +922,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = sub.add_parser("bench", parents=[common], help="benchmarks that print numbers and JSON")
     bench.add_argument(
-        "what", choices=["speed", "tokenize", "passkey", "niah", "gpu", "snapshot", "serve"]
+        "what",
+        choices=["speed", "tokenize", "passkey", "niah", "ruler", "gpu", "snapshot", "serve"],
     )
     bench.add_argument(
         "--contexts",
@@ -941,7 +965,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--lengths",
         type=_parse_contexts,
         default=_parse_contexts("4k,8k,16k,32k,64k,128k"),
-        help="document lengths for `passkey` and `niah`, e.g. 4k,8k,32k",
+        help="document lengths for `passkey`, `niah` and `ruler` (the whole input), e.g. 4k,8k,32k",
     )
     bench.add_argument(
         "--depths",
@@ -954,7 +978,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--trials",
         type=_positive,
         default=None,
-        help="documents per (length, depth) cell (passkey: 1; niah: 2)",
+        help="documents per (length, depth) cell (passkey: 1; niah: 2); `ruler`: samples per "
+        "task and length (5)",
+    )
+    bench.add_argument(
+        "--tasks",
+        type=_parse_ruler_tasks,
+        default=None,
+        metavar="NAMES",
+        help="`ruler`: RULER's tasks, comma separated: all (the default), niah, qa, or names "
+        "such as niah_single_1, niah_multikey_2, vt, cwe, fwe, qa_2",
     )
     bench.add_argument(
         "--seed", type=int, default=0, help="seed of the keys, needles and haystacks"
@@ -986,7 +1019,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_parse_contexts,
         default=[],
         metavar="LENGTHS",
-        help="also run with dense attention at these sizes (passkey, speed), e.g. 4k,32k",
+        help="also run with dense attention at these sizes (passkey, niah, ruler, speed), "
+        "e.g. 4k,32k",
     )
     bench.add_argument(
         "--dry-run",
