@@ -161,21 +161,6 @@ def test_a_client_that_disconnects_stops_the_generation(server):
     assert 5 <= last["completion_tokens"] < 3000  # stopped before max_tokens
 
 
-def test_a_full_queue_is_refused_with_503_and_positions_are_reported(server):
-    long = {"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 3000, "stream": True}
-    with server.http() as a, server.http() as b, server.http() as c:
-        with a.stream("POST", f"{server.url}/completions", json=long) as running:
-            lines = running.iter_lines()
-            assert next(line for line in lines if line.startswith("data: "))  # it runs
-            with b.stream("POST", f"{server.url}/completions", json=long) as waiting:
-                assert next(waiting.iter_lines()) == ": queued, 1 ahead"
-                refused = c.post(f"{server.url}/completions", json={**long, "stream": False})
-                assert refused.status_code == 503
-                assert refused.json()["error"]["code"] == "queue_full"
-    # Both streams closed: the server serves again.
-    assert server.client().completions.create(model="m", prompt="Hi", max_tokens=2).choices
-
-
 ASK = [{"role": "user", "content": "x"}]
 
 
