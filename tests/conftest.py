@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import shutil
 import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 # Must be set before any @triton.jit kernel runs, i.e. before kvchat.kv kernels are imported.
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -142,13 +144,24 @@ def fake_cgroups(tmp_path, monkeypatch):
     return write
 
 
+# Seconds each test file took in a full run (tests/durations.py writes it from a JUnit XML
+# report); a file not listed counts a second a test.
+DURATIONS = Path(__file__).with_name("durations.json")
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Files with the most slow tests first, each file's tests in their own order: pytest-xdist
-    hands out whole files in this order, and a long file handed out last keeps one worker
-    busy while the other has nothing left."""
+    """The longest files first, each file's tests in their own order: pytest-xdist hands out
+    whole files in this order (make test turns off its own reordering), so the last files
+    handed out are short and the workers finish together."""
+    seconds = json.loads(DURATIONS.read_text())
+    root = Path(__file__).parent.parent
+    files = Counter(item.path for item in items)
+    cost = {
+        path: seconds.get(path.relative_to(root).as_posix(), count)
+        for path, count in files.items()
+    }
     # A stable sort of the items themselves: a file's tests stay together, in their order.
-    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
-    items.sort(key=lambda item: -slow[item.path])
+    items.sort(key=lambda item: -cost[item.path])
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:

@@ -23,8 +23,10 @@ ls "$work/dist"
 step "a new venv with torch 2.13.0 and the wheel alone"
 python3 -m venv "$work/venv"
 venv="$work/venv/bin"
-"$venv/pip" install --quiet torch==2.13.0
-"$venv/pip" install --quiet "$work"/dist/kvchat-*.whl
+# --no-compile: Python compiles what it imports on first use; compiling all of torch ahead
+# takes longer than the rest of the install.
+"$venv/pip" install --quiet --no-compile torch==2.13.0
+"$venv/pip" install --quiet --no-compile "$work"/dist/kvchat-*.whl
 
 cd "$work"  # nothing of the checkout is on the path from here on
 export KVCHAT_HOME="$work/home" TORCH_EXTENSIONS_DIR="$work/kernels"
