@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvchat-installed
 QWEN_STAMP := $(VENV)/.kvchat-qwen-installed
 
-.PHONY: run test suite lint setup model-qwen package-check
+.PHONY: run test lint setup model-qwen package-check
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -48,16 +48,13 @@ ABOVE_AVX2 := from kvchat.native.cpu import CpuLevel, machine_level; \
 PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
-# The package check (tests/package/check.sh) runs beside the tests, at a lower priority.
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	bash tests/package/beside.sh $(PY) $(MAKE) --no-print-directory suite
-
-suite: $(STAMP)
 	$(VENV)/bin/python -m pytest -q --durations=15 $(XDIST) $(PYTEST_ARGS)
 	if $(PY) -c "$(ABOVE_AVX2)"; then \
 		KVCHAT_CPU_LEVEL=avx2 $(PY) -m pytest -q -p no:cacheprovider $(XDIST) \
 			$(LEVEL_TESTS); fi
+	$(MAKE) package-check
 
 # The wheel as users install it, alone in a new venv (tests/package/check.sh).
 package-check: $(STAMP)
