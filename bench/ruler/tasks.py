@@ -41,6 +41,22 @@ class RulerTask(StrEnum):
     QA_2 = "qa_2"
 
 
+class Haystack(StrEnum):
+    """What RULER hides needles in."""
+
+    ESSAY = "essay"  # Paul Graham's essays (then HotpotQA's paragraphs)
+    REPEAT = "repeat"  # one filler line, repeated
+    NEEDLE = "needle"  # needles of other keys
+
+
+class Kind(StrEnum):
+    """What a needle's keys and values are; the value's also names them in the question."""
+
+    WORDS = "words"
+    NUMBERS = "numbers"
+    UUIDS = "uuids"
+
+
 class Metric(StrEnum):
     """RULER's scores of one answer against its references."""
 
@@ -83,10 +99,10 @@ _DEPTHS = [round(100 * i / 39) for i in range(40)]  # RULER: np.linspace(0, 100,
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+")
 
 
-def _random_value(kind: str, rng: random.Random) -> str:
-    if kind == "numbers":
+def _random_value(kind: Kind, rng: random.Random) -> str:
+    if kind is Kind.NUMBERS:
         return str(rng.randint(1_000_000, 9_999_999))
-    if kind == "uuids":
+    if kind is Kind.UUIDS:
         return str(uuid.UUID(int=rng.getrandbits(128), version=4))
     return f"{rng.choice(data.words('adjective'))}-{rng.choice(data.words('noun'))}"
 
@@ -103,11 +119,16 @@ def _haystack_words(n: int) -> list[str]:
 
 
 def _niah(
-    haystack: str, key_kind: str, value_kind: str, keys: int = 1, values: int = 1, queries: int = 1
+    haystack: Haystack,
+    key_kind: Kind,
+    value_kind: Kind,
+    keys: int = 1,
+    values: int = 1,
+    queries: int = 1,
 ) -> Callable[[int], Build]:
     keys = max(keys, queries)
     several = queries * values > 1
-    v = value_kind if several else value_kind[:-1]  # "numbers" or "number"
+    v = value_kind.value if several else value_kind.value[:-1]  # "numbers" or "number"
     intro = (
         f"Some special magic {v} are hidden within the following text. Make sure to memorize "
         f"it. I will quiz you about the {v} afterwards."
@@ -123,10 +144,10 @@ def _niah(
             key = _random_value(key_kind, rng)
             own = [_random_value(value_kind, rng) for _ in range(values)]
             pairs.append((key, own))
-            needles += [_NEEDLE.format(v=value_kind, key=key, value=value) for value in own]
+            needles += [_NEEDLE.format(v=value_kind.value, key=key, value=value) for value in own]
         rng.shuffle(needles)
         asked = [pairs[i] for i in rng.sample(range(keys), queries)]  # before the haystack's draws
-        if haystack == "essay":
+        if haystack is Haystack.ESSAY:
             sentences = _SENTENCE_END.split(" ".join(_haystack_words(n)).strip())
             at = sorted(int(len(sentences) * d / 100) for d in rng.sample(_DEPTHS, len(needles)))
             pieces = []
@@ -136,10 +157,10 @@ def _niah(
         else:
             lines = (
                 [_NOISE] * n
-                if haystack == "repeat"
+                if haystack is Haystack.REPEAT
                 else [
                     _NEEDLE.format(
-                        v=value_kind,
+                        v=value_kind.value,
                         key=_random_value(key_kind, rng),
                         value=_random_value(value_kind, rng),
                     )
@@ -159,7 +180,7 @@ def _niah(
         evidence = []
         for key, own in asked:
             for value in own:
-                sentence = _NEEDLE.format(v=value_kind, key=key, value=value)
+                sentence = _NEEDLE.format(v=value_kind.value, key=key, value=value)
                 evidence.append(document.index(sentence) + sentence.rindex(value))
         if several:
             question = (
@@ -353,19 +374,17 @@ def _qa(qa_set: Callable[[], data.QaSet]) -> Callable[[int], Build]:
     return lambda length: build
 
 
+ESSAY, REPEAT, NEEDLE = Haystack.ESSAY, Haystack.REPEAT, Haystack.NEEDLE
+WORDS, NUMBERS, UUIDS = Kind.WORDS, Kind.NUMBERS, Kind.UUIDS
 RECIPES: dict[RulerTask, Recipe] = {
-    RulerTask.NIAH_SINGLE_1: Recipe(Metric.ALL, 128, _niah("repeat", "words", "numbers")),
-    RulerTask.NIAH_SINGLE_2: Recipe(Metric.ALL, 128, _niah("essay", "words", "numbers")),
-    RulerTask.NIAH_SINGLE_3: Recipe(Metric.ALL, 128, _niah("essay", "words", "uuids")),
-    RulerTask.NIAH_MULTIKEY_1: Recipe(Metric.ALL, 128, _niah("essay", "words", "numbers", keys=4)),
-    RulerTask.NIAH_MULTIKEY_2: Recipe(Metric.ALL, 128, _niah("needle", "words", "numbers")),
-    RulerTask.NIAH_MULTIKEY_3: Recipe(Metric.ALL, 128, _niah("needle", "uuids", "uuids")),
-    RulerTask.NIAH_MULTIVALUE: Recipe(
-        Metric.ALL, 128, _niah("essay", "words", "numbers", values=4)
-    ),
-    RulerTask.NIAH_MULTIQUERY: Recipe(
-        Metric.ALL, 128, _niah("essay", "words", "numbers", queries=4)
-    ),
+    RulerTask.NIAH_SINGLE_1: Recipe(Metric.ALL, 128, _niah(REPEAT, WORDS, NUMBERS)),
+    RulerTask.NIAH_SINGLE_2: Recipe(Metric.ALL, 128, _niah(ESSAY, WORDS, NUMBERS)),
+    RulerTask.NIAH_SINGLE_3: Recipe(Metric.ALL, 128, _niah(ESSAY, WORDS, UUIDS)),
+    RulerTask.NIAH_MULTIKEY_1: Recipe(Metric.ALL, 128, _niah(ESSAY, WORDS, NUMBERS, keys=4)),
+    RulerTask.NIAH_MULTIKEY_2: Recipe(Metric.ALL, 128, _niah(NEEDLE, WORDS, NUMBERS)),
+    RulerTask.NIAH_MULTIKEY_3: Recipe(Metric.ALL, 128, _niah(NEEDLE, UUIDS, UUIDS)),
+    RulerTask.NIAH_MULTIVALUE: Recipe(Metric.ALL, 128, _niah(ESSAY, WORDS, NUMBERS, values=4)),
+    RulerTask.NIAH_MULTIQUERY: Recipe(Metric.ALL, 128, _niah(ESSAY, WORDS, NUMBERS, queries=4)),
     RulerTask.VT: Recipe(Metric.ALL, 30, _vt),
     RulerTask.CWE: Recipe(Metric.ALL, 120, _cwe),
     RulerTask.FWE: Recipe(Metric.ALL, 50, _fwe),
