@@ -57,14 +57,20 @@ def fitting_settings(
 ) -> Settings:
     """Raise long_context.max_seq_len (never lower it) so the longest prompt plus the reply
     fit."""
-    from kvchat.core.conversation import Conversation
-
-    overhead = len(Conversation(document_ids=[0]).prompt_ids(tokenizer, question)) - 1
+    overhead = prompt_overhead(tokenizer, question)
     needed = int(longest * (1 + LENGTH_SLACK_SHARE)) + LENGTH_SLACK + overhead + max_new_tokens
     lc = settings.long_context
     if lc.max_seq_len >= needed:
         return settings
     return replace(settings, long_context=replace(lc, max_seq_len=needed))
+
+
+def prompt_overhead(tokenizer: Tokenizer, question: str) -> int:
+    """Tokens a question's prompt adds around a document: the chat template and the
+    question."""
+    from kvchat.core.conversation import Conversation
+
+    return len(Conversation(document_ids=[0]).prompt_ids(tokenizer, question)) - 1
 
 
 def needle_blocks(engine: Engine, document: str, offsets: Sequence[int]) -> list[int] | None:

@@ -30,21 +30,13 @@ from ..grid import (
     fitting_settings,
     memory_use,
     needle_blocks,
+    prompt_overhead,
     timings,
 )
 from . import data
-from .tasks import RECIPES, RulerTask, Sample, make_sample, score
+from .tasks import RECIPES, RulerTask, make_sample, score, smallest_sample
 
 _SNIPPET_CHARS = 36
-
-
-def _overhead(engine: Engine, sample: Sample) -> int:
-    """Tokens of the prompt around the document: the chat template, question and prefix."""
-    from kvchat.core.conversation import Conversation
-
-    tokenizer = engine.tokenizer
-    prompt = Conversation(document_ids=[0]).prompt_ids(tokenizer, sample.question)
-    return len(prompt) - 1 + len(tokenizer.encode(sample.answer_prefix))
 
 
 def run_sample(
@@ -55,8 +47,10 @@ def run_sample(
     recipe = RECIPES[task]
     tokenizer = engine.tokenizer
     key = f"ruler:{task.value}:{seed}:{length}:{index}"
-    probe = make_sample(task, length, 64, lambda text: len(tokenizer.encode_long(text)), key)
-    budget = length - _overhead(engine, probe) - recipe.max_new_tokens - 8
+    smallest = smallest_sample(task, length, key)
+    around = prompt_overhead(tokenizer, smallest.question)
+    around += len(tokenizer.encode(smallest.answer_prefix))
+    budget = length - around - recipe.max_new_tokens - 8
     sample = make_sample(task, length, budget, lambda t: len(tokenizer.encode_long(t)), key)
     session = engine.new_session()
     conversation = session.conversation

@@ -393,6 +393,13 @@ RECIPES: dict[RulerTask, Recipe] = {
 }
 
 
+def smallest_sample(task: RulerTask, length: int, seed: str) -> Sample:
+    """The task's sample for `seed` with a haystack of one unit: its question and answer
+    prefix are those of every size (each recipe draws them before the haystack), so the
+    prompt's length around the document can be measured before the document is sized."""
+    return RECIPES[task].build(length)(1, random.Random(seed))
+
+
 def make_sample(
     task: RulerTask, length: int, budget: int, count: Callable[[str], int], seed: str
 ) -> Sample:

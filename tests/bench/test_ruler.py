@@ -12,7 +12,14 @@ import pytest
 
 from kvchat.bench.ruler import data
 from kvchat.bench.ruler.run import run_ruler_bench
-from kvchat.bench.ruler.tasks import RECIPES, Metric, RulerTask, make_sample, score
+from kvchat.bench.ruler.tasks import (
+    RECIPES,
+    Metric,
+    RulerTask,
+    make_sample,
+    score,
+    smallest_sample,
+)
 from kvchat.config import load_settings
 from kvchat.core.tokenizer import load_tokenizer
 from kvchat.core.weights import resolve_model_path
@@ -31,6 +38,8 @@ def test_each_task_fills_its_budget_and_holds_what_its_answer_needs(task, count)
     assert 3800 * 0.95 <= count(sample.document) <= 3800
     assert sample.question and sample.answer_prefix and sample.references
     assert sample == make_sample(task, 4096, 3800, count, seed="t")  # the seed decides
+    smallest = smallest_sample(task, 4096, seed="t")
+    assert (smallest.question, smallest.answer_prefix) == (sample.question, sample.answer_prefix)
     assert sample != make_sample(task, 4096, 3800, count, seed="u")
     document = sample.document
     if task.value.startswith("niah") or task is RulerTask.VT:
