@@ -418,8 +418,9 @@ def _fit(tokens: Callable[[int], int], budget: int) -> int:
     """The largest unit count whose document stays within `budget` tokens, found by scaling
     from a small measurement (a handful of tokenizations, not one per unit)."""
     small = 8
-    per_unit = max((tokens(2 * small) - tokens(small)) / small, 1e-3)
-    fixed = tokens(small) - small * per_unit
+    at_small = tokens(small)
+    per_unit = max((tokens(2 * small) - at_small) / small, 1e-3)
+    fixed = at_small - small * per_unit
     low, high = 1, None  # low fits (a document of one unit is the least there is)
     n = max(int((budget - fixed) / per_unit), 1)
     for _ in range(16):
