@@ -4,7 +4,9 @@ They are compiled with the C++ compiler torch's extension builder finds, for the
 kvchat runs at (kvchat.native.cpu: `-march=native`, or a lower level's -march), and cached
 where torch caches extensions ($TORCH_EXTENSIONS_DIR, else ~/.cache/torch_extensions) under a
 name that hashes the sources, the CPU and the level, so only the first process on a machine
-pays the build. ninja compiles a build's sources in parallel. Where one cannot be built its
+pays the build. A finished build loads straight from its folder, wherever its sources are now:
+a checkout and an installed wheel of the same sources share one build. ninja compiles a
+build's sources in parallel. Where one cannot be built its
 caller keeps a torch path and the warning says what that costs.
 
 A build holds an flock on its folder: the kernel drops it when the process ends, however it
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import logging
 import os
 import shutil
@@ -40,6 +43,8 @@ log = logging.getLogger(__name__)
 INCLUDE = Path(__file__).with_name("include")
 # How often a build in progress is reported.
 REPORT_INTERVAL_S = 1.0
+# Written into a build's folder once its module has loaded: the module there is complete.
+BUILT = "kvchat.built"
 
 
 @dataclass(frozen=True)
@@ -96,24 +101,55 @@ def build_extension(
 
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     name = build_name(prefix, sources)
-    root = os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root()
-    build_dir = Path(root) / name
+    build_dir = build_root() / name
     try:
         # 0755 even under a umask of 0, whose 0777 folder build_lock would refuse.
         build_dir.mkdir(mode=0o755, parents=True, exist_ok=True)
-        with build_lock(build_dir), _watch(build_dir, purpose, len(sources)):
-            return cpp_extension.load(
-                name=name,
-                sources=[str(path) for path in sources],
-                extra_cflags=flags(),
-                extra_ldflags=["-fopenmp"],
-                extra_include_paths=[str(INCLUDE)],
-                build_directory=str(build_dir),
-            )
+        with build_lock(build_dir):
+            built = _load_built(name, build_dir)
+            if built is not None:
+                return built
+            with _watch(build_dir, purpose, len(sources)):
+                module = cpp_extension.load(
+                    name=name,
+                    sources=[str(path) for path in sources],
+                    extra_cflags=flags(),
+                    extra_ldflags=["-fopenmp"],
+                    extra_include_paths=[str(INCLUDE)],
+                    build_directory=str(build_dir),
+                )
+            (build_dir / BUILT).write_text(Path(module.__file__).name + "\n")
+            return module
     except (OSError, RuntimeError, ImportError) as err:
         reason = str(err).strip().splitlines()[-1] if str(err).strip() else type(err).__name__
         log.warning("the C++ kernels for %s could not be built (%s); %s", purpose, reason, fallback)
         return None
+
+
+def build_root() -> Path:
+    """Where the builds are cached: $TORCH_EXTENSIONS_DIR, else torch's default folder."""
+    from torch.utils import cpp_extension
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+
+
+def _load_built(name: str, build_dir: Path) -> ModuleType | None:
+    """The module of a finished build in build_dir, or None where there is none. Its name
+    hashes the sources' contents, so it is theirs whichever folder they were compiled from,
+    and it loads without running the compiler or ninja."""
+    marker = build_dir / BUILT
+    if not marker.is_file():
+        return None
+    file_name = marker.read_text().strip()
+    library = build_dir / file_name
+    if Path(file_name).name != file_name or not library.is_file():
+        return None
+    spec = importlib.util.spec_from_file_location(name, library)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def build_name(prefix: str, sources: Sequence[Path]) -> str:

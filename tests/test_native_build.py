@@ -109,6 +109,31 @@ def test_a_build_is_reported_while_it_runs_and_when_it_is_done(twice_source, mon
     assert seen == []
 
 
+def test_the_same_sources_in_another_folder_load_the_finished_build(twice_source):
+    # A checkout and an installed wheel hold the same sources in different folders.
+    first = build_extension("kvchat_test", [twice_source], "doubling", "nothing doubles")
+    assert first is not None
+    build_dir = native.build_root() / build_name("kvchat_test", [twice_source])
+
+    def files() -> dict[str, int]:
+        # The lock file is opened (and so touched) by every load.
+        return {
+            p.name: p.stat().st_mtime_ns for p in build_dir.iterdir() if p.name != "kvchat.lock"
+        }
+
+    before = files()
+    moved = twice_source.parent / "installed" / twice_source.name
+    moved.parent.mkdir()
+    moved.write_text(twice_source.read_text())
+    seen = []
+    with build_reports(seen.append):
+        module = build_extension("kvchat_test", [moved], "doubling", "nothing doubles")
+    assert module is not None and module.twice(21) == 42
+    # Nothing compiled, linked or rewritten: torch's loader would have rebuilt for the new paths.
+    assert files() == before
+    assert seen == []
+
+
 def test_a_failed_build_says_what_falls_back(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
     source = tmp_path / "broken.cpp"
