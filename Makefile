@@ -48,13 +48,19 @@ ABOVE_AVX2 := from kvchat.native.cpu import CpuLevel, machine_level; \
 PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
+# The package check builds the C++ kernels from the installed wheel, into a folder the suite
+# then loads them from: one build a run rather than two.
+TEST_KERNELS := $(abspath $(VENV))/test-kernels
+
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/python -m pytest -q --durations=15 $(XDIST) $(PYTEST_ARGS)
+	rm -rf $(TEST_KERNELS)
+	bash tests/package/check.sh $(PY) $(TEST_KERNELS)
+	TORCH_EXTENSIONS_DIR=$(TEST_KERNELS) $(PY) -m pytest -q --durations=15 $(XDIST) \
+		$(PYTEST_ARGS)
 	if $(PY) -c "$(ABOVE_AVX2)"; then \
-		KVCHAT_CPU_LEVEL=avx2 $(PY) -m pytest -q -p no:cacheprovider $(XDIST) \
-			$(LEVEL_TESTS); fi
-	$(MAKE) package-check
+		KVCHAT_CPU_LEVEL=avx2 TORCH_EXTENSIONS_DIR=$(TEST_KERNELS) $(PY) -m pytest -q \
+			-p no:cacheprovider $(XDIST) $(LEVEL_TESTS); fi
 
 # The wheel as users install it, alone in a new venv (tests/package/check.sh).
 package-check: $(STAMP)

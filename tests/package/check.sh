@@ -6,12 +6,22 @@
 # kernels compiled from the installed sources, `kvchat ask` answering over the sample
 # document inside the package, and the app started by Textual's pilot.
 #
-#   tests/package/check.sh [PYTHON]    (PYTHON has `build`; make test passes .venv's)
+#   tests/package/check.sh [PYTHON [KERNELS]]
+#
+# PYTHON has `build` (make test passes .venv's). KERNELS, an empty or missing folder, keeps
+# the kernels this check builds for the test suite, which loads them from there (the same
+# sources name the same build wherever they are installed).
 set -euo pipefail
 checkout=$(cd "$(dirname "$0")/../.." && pwd)
 python=${1:-python3}
 work=$(mktemp -d "${TMPDIR:-/tmp}/kvchat-package-XXXXXX")
 trap 'rm -rf "$work"' EXIT
+kernels=${2:-$work/kernels}
+if [ -n "$(ls -A "$kernels" 2>/dev/null)" ]; then
+    echo "check.sh: $kernels is not empty; the kernels must build here from the wheel" >&2
+    exit 2
+fi
+kernels=$(mkdir -p "$kernels" && cd "$kernels" && pwd)
 step() { printf '\n== package check: %s\n' "$*"; }
 
 step "python -m build"
@@ -29,7 +39,7 @@ venv="$work/venv/bin"
 "$venv/pip" install --quiet --no-compile "$work"/dist/kvchat-*.whl
 
 cd "$work"  # nothing of the checkout is on the path from here on
-export KVCHAT_HOME="$work/home" TORCH_EXTENSIONS_DIR="$work/kernels"
+export KVCHAT_HOME="$work/home" TORCH_EXTENSIONS_DIR="$kernels"
 unset KVCHAT_MODEL PYTHONPATH
 step "kvchat --version, --help"
 "$venv/kvchat" --version
