@@ -55,18 +55,25 @@ def layer_shares(
     every key costs an exp per key, 2.5x the products). Returns float32 [last - first].
     """
     n_heads, n_q, dim = q.shape
-    rows = None
-    parts = []
+    rows = best = None
     for lo in range(first, last, VOTE_BLOCKS):
         hi = min(lo + VOTE_BLOCKS, last)
         keys = read_keys(lo, hi).to(dtype)
         if rows is None:
             n_kv = keys.shape[0]
             rows = q.to(dtype).reshape(n_kv, n_heads // n_kv * n_q, dim).transpose(1, 2)
+            # Allocated once, before the passes: a small result kept from each pass between
+            # their large freed buffers would fragment the heap, which then grows by about a
+            # pass's scores every pass (250 MB over a 1M-token vote).
+            best = torch.empty(n_kv, last - first, rows.shape[2], dtype=torch.float32)
         # Keys by queries: the orientation oneDNN's bf16 matmul runs fastest (AMX: 2x).
-        parts.append(block_max(torch.matmul(keys, rows), keys.shape[1] // (hi - lo)))
-    best = torch.cat(parts, dim=1) * (1 / math.sqrt(dim))
-    return torch.softmax(best, dim=1).amax(dim=(0, 2))
+        scores = torch.matmul(keys, rows)
+        del keys
+        best[:, lo - first : hi - first] = block_max(scores, scores.shape[1] // (hi - lo))
+        del scores
+    if best is None:
+        return torch.zeros(0)
+    return torch.softmax(best * (1 / math.sqrt(dim)), dim=1).amax(dim=(0, 2))
 
 
 def pin_count(lc: LongContextSettings) -> int:
