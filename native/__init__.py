@@ -144,7 +144,8 @@ def _load_built(name: str, build_dir: Path) -> ModuleType | None:
     library = build_dir / file_name
     if Path(file_name).name != file_name or not library.is_file():
         return None
-    spec = importlib.util.spec_from_file_location(name, library)
+    # Its own name: torch adds a version (name_v1) to a second build of one name in a process.
+    spec = importlib.util.spec_from_file_location(file_name.partition(".")[0], library)
     if spec is None or spec.loader is None:
         return None
     module = importlib.util.module_from_spec(spec)
