@@ -6,15 +6,16 @@ import math
 import mmap
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFReader, GGUFValueType, ReaderTensor
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import Q4_K, dequantize
 
-from .gguf_header import read_gguf_header
+from .gguf_header import TensorInfo, read_gguf_layout
 from .model_config import SUPPORTED_ARCHITECTURES, ModelConfig, RopeScaling, UnsupportedModelError
 from .terminal_text import terminal_safe
 from .weights import (
@@ -80,11 +81,8 @@ def load_gguf(path: Path, on_progress: Callable[[int, int], None] | None = None)
     all, each made from the file when read and not kept (LazyGroups, LazyTensors); the
     config, names, types and shapes are checked before anything is read.
     `on_progress(done, total)` follows the tensors as they are read."""
-    reader = _open(path)
-    metadata = _metadata(reader, path)
-    # The parsed fields hold a numpy array per vocabulary token (~0.25 GiB for Qwen2's 152K);
-    # the metadata has their values.
-    reader.fields.clear()
+    reader = _File(path)
+    metadata = reader.metadata
     by_name = {t.name: t for t in reader.tensors}
     config = config_from_gguf(metadata, by_name, path)
     planned = _plan(by_name, config, path)
@@ -138,7 +136,7 @@ class _Part:
     """One tensor of the file, read a block of rows at a time (all of them where llama.cpp's
     Q/K interleave mixes rows: `heads`), its pages released from the process once read."""
 
-    def __init__(self, reader: _Reader, tensor: ReaderTensor, heads: int | None) -> None:
+    def __init__(self, reader: _File, tensor: _Tensor, heads: int | None) -> None:
         self.reader, self.tensor, self.heads = reader, tensor, heads
         self.rows = tensor.data.shape[0]
 
@@ -191,29 +189,45 @@ def _float32(
     return torch.from_numpy(np.require(values, np.float32, ["C", "W"]))
 
 
-class _Reader(GGUFReader):
-    """GGUFReader that parses from a plain ndarray view of its memory map, and releases the
-    pages of the tensors read.
+@dataclass(frozen=True)
+class _Tensor:
+    """A tensor of the file: its data a read-only view of the file's memory map, shaped as
+    gguf-py shapes it (the dims reversed; quantized types as bytes, a row's blocks last)."""
 
-    The reader slices its np.memmap a few times per metadata value (~250K slices for a 49K-token
-    vocabulary), and numpy's memmap subclass makes each slice ~3x slower (SmolLM2's metadata: 0.6 s
-    through the plain view, 2.0 s through the memmap). Should gguf stop calling _get, this only
-    loses the speed-up.
-    """
+    name: str
+    tensor_type: T
+    shape: tuple[int, ...]  # the dims as the file lists them, the fastest-varying first
+    data_offset: int  # in the file
+    n_bytes: int
+    data: np.ndarray
 
-    _map: mmap.mmap | None = None
 
-    def _get(self, *args, **kwargs):
-        if type(self.data) is np.memmap:
-            self._map = getattr(self.data, "_mmap", None)
-            self.data = self.data.view(np.ndarray)
-        return super()._get(*args, **kwargs)
+_PLAIN_DTYPES = {
+    T.F32: np.float32, T.F16: np.float16, T.F64: np.float64,
+    T.I8: np.int8, T.I16: np.int16, T.I32: np.int32, T.I64: np.int64,
+}  # fmt: skip
 
-    def release(self, tensor: ReaderTensor, start: int, stop: int) -> None:
+
+class _File:
+    """A GGUF file mapped into memory: its metadata, its tensors, and the release of the
+    pages of the rows read."""
+
+    def __init__(self, path: Path) -> None:
+        try:
+            with path.open("rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as exc:  # mmap of an empty file raises ValueError
+            raise WeightsError(f"{path} is not a readable GGUF file ({exc})") from exc
+        layout = read_gguf_layout(self._map, path)
+        self.metadata = layout.metadata
+        data = np.frombuffer(self._map, np.uint8)
+        self.tensors = [_tensor(info, layout.data_start, data, path) for info in layout.tensors]
+
+    def release(self, tensor: _Tensor, start: int, stop: int) -> None:
         """Drop rows [start, stop) of `tensor` from the process's pages (the page cache keeps
         them; a later read maps them again): a load holds the pages of the rows it converts,
         not of the whole file (a 7B Q4_K_M file is 4.4 GiB)."""
-        if self._map is None or not hasattr(mmap, "MADV_DONTNEED"):
+        if not hasattr(mmap, "MADV_DONTNEED"):
             return
         row_bytes = tensor.n_bytes // tensor.data.shape[0]
         first = tensor.data_offset + start * row_bytes
@@ -223,42 +237,32 @@ class _Reader(GGUFReader):
             self._map.madvise(mmap.MADV_DONTNEED, first, end - first)
 
 
-def _open(path: Path) -> _Reader:
-    read_gguf_header(path)  # a hostile header is refused before gguf-py trusts its counts
+def _tensor(info: TensorInfo, data_start: int, data: np.ndarray, path: Path) -> _Tensor:
     try:
-        reader = _Reader(path)
-    except Exception as exc:  # GGUFReader reports bad input as whatever numpy raises
+        qtype = T(info.type_id)
+        block, type_size = GGML_QUANT_SIZES[qtype]
+    except (ValueError, KeyError):
+        raise WeightsError(f"{path}: tensor {info.name} has unknown type {info.type_id}") from None
+    dims = tuple(reversed(info.dims))
+    if dims[-1] % block:
+        raise WeightsError(f"{path}: tensor {info.name}'s rows are not whole {qtype.name} blocks")
+    n_bytes = math.prod(dims) // block * type_size
+    first = data_start + info.offset
+    if first + n_bytes > data.size:
         raise WeightsError(
-            f"{path} is not a readable GGUF file (corrupt or truncated): {exc}"
-        ) from exc
-    size = reader.data.size
-    for t in reader.tensors:
-        if t.data_offset + t.n_bytes > size:
-            raise WeightsError(
-                f"{path} is truncated: tensor {t.name} needs bytes "
-                f"{t.data_offset}..{t.data_offset + t.n_bytes} but the file has {size}"
-            )
-    return reader
-
-
-def _metadata(reader: GGUFReader, path: Path) -> dict[str, object]:
-    metadata: dict[str, object] = {}
-    try:
-        for key, field in reader.fields.items():
-            if key.startswith("GGUF."):  # header counts, not key/values
-                continue
-            value = field.contents()
-            if field.types == [GGUFValueType.FLOAT32]:
-                # Shortest decimal that round-trips in float32: 1e-05, not 9.999999747378752e-06.
-                value = float(str(np.float32(value)))
-            metadata[key] = value
-    except ValueError as exc:  # bad UTF-8 in a string, unknown value type
-        raise WeightsError(f"{path}: unreadable metadata value {key!r}: {exc}") from exc
-    return metadata
+            f"{path} is truncated: tensor {info.name} needs bytes "
+            f"{first}..{first + n_bytes} but the file has {data.size}"
+        )
+    raw = data[first : first + n_bytes]
+    if qtype in _PLAIN_DTYPES:
+        view = raw.view(_PLAIN_DTYPES[qtype]).reshape(dims)
+    else:
+        view = raw.reshape(*dims[:-1], dims[-1] // block * type_size)
+    return _Tensor(info.name, qtype, info.dims, first, n_bytes, view)
 
 
 def config_from_gguf(
-    metadata: dict[str, object], tensors: dict[str, ReaderTensor], path: Path
+    metadata: dict[str, object], tensors: dict[str, _Tensor], path: Path
 ) -> ModelConfig:
     """ModelConfig from the `{arch}.*` and `tokenizer.ggml.*` keys of a GGUF file."""
     arch = metadata.get("general.architecture")
@@ -316,7 +320,7 @@ def config_from_gguf(
     )
 
 
-def _vocab_size(metadata: dict[str, object], tensors: dict[str, ReaderTensor], arch: str) -> int:
+def _vocab_size(metadata: dict[str, object], tensors: dict[str, _Tensor], arch: str) -> int:
     tokens = metadata.get("tokenizer.ggml.tokens")
     if isinstance(tokens, list):
         return len(tokens)
@@ -328,7 +332,7 @@ def _vocab_size(metadata: dict[str, object], tensors: dict[str, ReaderTensor], a
 
 def _rope_scaling(
     metadata: dict[str, object],
-    tensors: dict[str, ReaderTensor],
+    tensors: dict[str, _Tensor],
     arch: str,
     head_dim: int,
     rope_theta: float,
@@ -385,8 +389,8 @@ def _llama3_scaling(factors: np.ndarray, head_dim: int, rope_theta: float) -> Ro
 
 
 def _plan(
-    by_name: dict[str, ReaderTensor], config: ModelConfig, path: Path
-) -> dict[str, tuple[ReaderTensor, tuple[int, ...]]]:
+    by_name: dict[str, _Tensor], config: ModelConfig, path: Path
+) -> dict[str, tuple[_Tensor, tuple[int, ...]]]:
     """Check presence, type and shape of every needed tensor before reading any of them."""
     planned = {}
     for hf_name, shape in expected_shapes(config).items():
@@ -399,7 +403,7 @@ def _plan(
                 f"{path}: tensor {name} has type {tensor.tensor_type.name}, which kvchat "
                 f"cannot read; supported: {', '.join(sorted(t.name for t in SUPPORTED_TYPES))}"
             )
-        found = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+        found = tuple(reversed(tensor.shape))
         if found != shape:
             raise WeightsError(
                 f"{path}: tensor {name} has shape {found}, expected {shape} for {hf_name}"
