@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 import psutil
 
 from kvchat.native.cpu import cpu_name
-from kvchat.server.serve import API_KEY_ENV
+from kvchat.server.serve import SERVER_KEY_ENV
 
 READY_TIMEOUT_S = 600  # a first start builds the C++ kernels
 
@@ -182,7 +182,7 @@ def run_serve_bench(
     same ones one at a time; the numbers, ready for JSON."""
     log(f"starting kvchat serve {' '.join(server_args)}")
     # The bench sends no key: a key in the environment would make the server ask for one.
-    env = {k: v for k, v in os.environ.items() if k != API_KEY_ENV}
+    env = {k: v for k, v in os.environ.items() if k != SERVER_KEY_ENV}
     with tempfile.NamedTemporaryFile("w+", prefix="kvchat-serve-", suffix=".log") as err:
         server = start_server([*server_args, "--queue-size", str(clients)], err, env)
     try:

@@ -19,11 +19,24 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvchat.core.addresses import is_loopback
 from kvchat.core.cancel import Cancelled
+from kvchat.core.terminal_text import terminal_safe
 
 REQUEST_TIMEOUT_S = 30.0
+# A streamed reply that sends nothing for this long is given up (a server's prefill that
+# reports no progress counts as nothing): the default of --server-timeout.
+IDLE_TIMEOUT_S = 1800.0
+# What one answer may take, so that a server cannot fill this process's memory: a JSON
+# body, one line of a stream (an event), and an error's text as shown.
+MAX_BODY_BYTES = 16 << 20
+MAX_LINE_BYTES = 1 << 20
+MAX_MESSAGE_CHARS = 300
 # kvchat serve reports prefill progress as SSE comments: ": prompt 4096/120000 (0 cached)".
 _PROGRESS_COMMENT = re.compile(r"prompt (\d+)/(\d+)")
+
+# The credential the app sends to a --server: the server's own key is another variable.
+CLIENT_KEY_ENV = "KVCHAT_API_KEY"
 
 
 class ServerError(Exception):
@@ -31,7 +44,8 @@ class ServerError(Exception):
     read; `status` is the HTTP status when there was one."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
+        # Shown in the terminal and built from what a server sent: nothing in it may act.
+        super().__init__(terminal_safe(message))
         self.status = status
 
 
@@ -63,7 +77,9 @@ class OpenAIServer:
     """One server, named by its base URL: http://host:port/v1 (a URL without a path means
     /v1, as every OpenAI-compatible server serves it there)."""
 
-    def __init__(self, url: str, api_key: str | None = None) -> None:
+    def __init__(
+        self, url: str, api_key: str | None = None, idle_timeout_s: float = IDLE_TIMEOUT_S
+    ) -> None:
         parts = urlsplit(url if "://" in url else f"http://{url}")
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ServerError(f"{url}: not a server URL (e.g. http://127.0.0.1:8000/v1)")
@@ -72,9 +88,14 @@ class OpenAIServer:
         except ValueError:
             raise ServerError(f"{url}: the port is not a number") from None
         self.scheme, self.host = parts.scheme, parts.hostname
+        if api_key and self.scheme == "http" and not is_loopback(self.host):
+            raise ServerError(
+                f"{url}: the API key would cross the network unencrypted; use https://, or "
+                f"a tunnel to a loopback port (ssh -L 8000:127.0.0.1:8000 {self.host})"
+            )
         self.base_path = parts.path.rstrip("/") or "/v1"
         self.url = f"{self.scheme}://{parts.netloc}{self.base_path}"
-        self.api_key = api_key
+        self.api_key, self.idle_timeout_s = api_key, idle_timeout_s
 
     def _connection(self, timeout: float | None) -> http.client.HTTPConnection:
         kind = http.client.HTTPSConnection if self.scheme == "https" else http.client.HTTPConnection
@@ -107,7 +128,10 @@ class OpenAIServer:
         try:
             response = self._send(conn, "GET", path)
             try:
-                body = json.loads(response.read())
+                raw = response.read(MAX_BODY_BYTES + 1)
+                if len(raw) > MAX_BODY_BYTES:
+                    raise ValueError(f"larger than {MAX_BODY_BYTES >> 20} MiB")
+                body = json.loads(raw)
             except (OSError, http.client.HTTPException, ValueError) as e:
                 raise ServerError(f"{self.url}{path}: unreadable answer ({e})") from None
         finally:
@@ -120,12 +144,15 @@ class OpenAIServer:
         """The ids of the models the server serves, in its order."""
         data = self.get("/models").get("data")
         ids = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
-        return [i for i in ids if isinstance(i, str)]
+        # An id the terminal would not show as it is cannot be shown or chosen: left out.
+        return [i for i in ids if isinstance(i, str) and 0 < len(i) <= 256 and _plain(i)]
 
     def stream_chat(self, body: dict[str, Any], cancel: threading.Event) -> Iterator[StreamEvent]:
         """POST /chat/completions with `body` (streamed) and yield what comes: prompt progress
         where the server reports it, reply text, and the end. Setting `cancel` closes the
-        connection, so the server stops too; the read that breaks raises Cancelled."""
+        connection, so the server stops too; the read that breaks raises Cancelled. A server
+        that sends more pieces of text than body's max_tokens is cut off there (the reply ends
+        as "length"), one that sends nothing for idle_timeout_s is given up."""
         conn = self._connection(REQUEST_TIMEOUT_S)
         ended = threading.Event()
         try:
@@ -133,11 +160,12 @@ class OpenAIServer:
                 conn.connect()
             except OSError as e:
                 raise ServerError(f"{self.url}: cannot reach the server ({e})") from None
-            # The answer may start after a prefill of many minutes: only a stop ends the wait.
-            conn.sock.settimeout(None)
+            # The answer may start after a prefill of many minutes.
+            conn.sock.settimeout(self.idle_timeout_s)
             threading.Thread(target=_close_on, args=(conn, cancel, ended), daemon=True).start()
             response = self._send(conn, "POST", "/chat/completions", {**body, "stream": True})
-            yield from _events(response, cancel, self.url)
+            events = _events(response, cancel, self.url, self.idle_timeout_s)
+            yield from _at_most(events, body.get("max_tokens"))
         except ServerError:
             if cancel.is_set():
                 raise Cancelled("stopped") from None
@@ -145,6 +173,10 @@ class OpenAIServer:
         finally:
             ended.set()
             conn.close()
+
+
+def _plain(text: str) -> bool:
+    return terminal_safe(text) == text
 
 
 def _close_on(conn: http.client.HTTPConnection, cancel: threading.Event, ended: threading.Event):
@@ -157,14 +189,35 @@ def _close_on(conn: http.client.HTTPConnection, cancel: threading.Event, ended: 
             return
 
 
+def _at_most(events: Iterator[StreamEvent], max_tokens: Any) -> Iterator[StreamEvent]:
+    """`events` until the max_tokens-th piece of text: a server sends at least a token a
+    piece, so one that sends more has ignored the limit, and the reply ends there."""
+    if not isinstance(max_tokens, int):
+        yield from events
+        return
+    pieces = 0
+    for event in events:
+        if isinstance(event, Delta):
+            if pieces == max_tokens:
+                yield Finished("length")
+                return
+            pieces += 1
+        yield event
+
+
 def _events(
-    response: http.client.HTTPResponse, cancel: threading.Event, url: str
+    response: http.client.HTTPResponse, cancel: threading.Event, url: str, idle_s: float
 ) -> Iterator[StreamEvent]:
     finish_reason, usage = None, None
     data: list[str] = []
+    size = 0
     while True:
         try:
-            raw = response.readline()
+            raw = response.readline(MAX_LINE_BYTES + 1)
+        except TimeoutError:
+            raise ServerError(
+                f"{url}: the server sent nothing for {idle_s:g} s; gave up (--server-timeout)"
+            ) from None
         except (OSError, http.client.HTTPException) as e:
             if cancel.is_set():
                 raise Cancelled("stopped") from None
@@ -173,6 +226,9 @@ def _events(
             if cancel.is_set():
                 raise Cancelled("stopped")
             break  # a server that ends the stream without [DONE]
+        size += len(raw)
+        if len(raw) > MAX_LINE_BYTES or size > MAX_LINE_BYTES:
+            raise ServerError(f"{url}: an event larger than {MAX_LINE_BYTES >> 20} MiB")
         line = raw.decode("utf-8", "replace").rstrip("\r\n")
         if line.startswith(":"):
             if match := _PROGRESS_COMMENT.search(line):
@@ -183,7 +239,7 @@ def _events(
             continue
         if line or not data:
             continue  # an event's other fields (event:, id:, retry:), or a blank between
-        payload, data = "\n".join(data), []
+        payload, data, size = "\n".join(data), [], 0
         if payload == "[DONE]":
             break
         try:
@@ -193,7 +249,7 @@ def _events(
         if not isinstance(chunk, dict):
             continue
         if "error" in chunk:
-            raise ServerError(f"{url}: {_message_of(chunk)}")
+            raise ServerError(f"{url}: {_message_of(chunk)[:MAX_MESSAGE_CHARS]}")
         if isinstance(chunk.get("usage"), dict):
             usage = chunk["usage"]
         progress = chunk.get("prompt_progress")
@@ -226,9 +282,9 @@ def _error_message(response: http.client.HTTPResponse) -> str:
     except (OSError, http.client.HTTPException):
         return response.reason
     try:
-        return _message_of(json.loads(text))
+        return _message_of(json.loads(text))[:MAX_MESSAGE_CHARS]
     except ValueError:
-        return " ".join(text.split())[:300] or response.reason
+        return " ".join(text.split())[:MAX_MESSAGE_CHARS] or response.reason
 
 
 def _message_of(body: Any) -> str:

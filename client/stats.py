@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 from kvchat.config import AttentionMode, PositionMode
 from kvchat.core.engine import EngineStats, Rates
 from kvchat.core.memory import GpuMemory
+from kvchat.core.terminal_text import terminal_safe
 from kvchat.kv.backend import CacheStats, LayerStats
 
 from .http import OpenAIServer, ServerError
@@ -42,10 +43,11 @@ def reported(stats: EngineStats | ServerStats) -> EngineStats | None:
 
 def engine_stats_from_json(body: dict[str, Any]) -> EngineStats:
     """EngineStats from kvchat serve's JSON (dataclasses.asdict of it); fields a newer server
-    adds are left out, and a missing one is a ValueError."""
+    adds are left out, a missing one or one of the wrong type is a ValueError, and text is
+    made terminal-safe: the panels show it."""
     cache = dict(body["cache"])
     cache["layers"] = tuple(
-        _build(LayerStats, {**layer, "selected": tuple(layer["selected"])})
+        _build(LayerStats, {**layer, "selected": _ints(layer["selected"])})
         for layer in cache.get("layers", ())
     )
     cache["position_mode"] = PositionMode(cache["position_mode"])
@@ -61,11 +63,41 @@ def engine_stats_from_json(body: dict[str, Any]) -> EngineStats:
 
 
 def _build(cls: type[T], values: dict[str, Any]) -> T:
-    names = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+    fields = {f.name: f.type for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
     try:
-        return cls(**{k: v for k, v in values.items() if k in names})
+        return cls(**{k: _checked(fields[k], k, v) for k, v in values.items() if k in fields})
     except TypeError as e:
         raise ValueError(f"{cls.__name__}: {e}") from None
+
+
+def _checked(kind: Any, name: str, value: Any) -> Any:
+    """`value` as the field `name` of type `kind` (its annotation's text) holds it: numbers and
+    booleans of their own type, text terminal-safe, None where the field allows it; the
+    nested values are built by the caller."""
+    if value is None and str(kind).endswith("| None"):
+        return None
+    kind = str(kind).removesuffix(" | None")
+    if kind == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+        raise ValueError(f"{name}: {type(value).__name__} where an integer belongs")
+    if kind == "float":
+        if not isinstance(value, int | float) or isinstance(value, bool):
+            raise ValueError(f"{name}: {type(value).__name__} where a number belongs")
+        return float(value)
+    if kind == "bool" and not isinstance(value, bool):
+        raise ValueError(f"{name}: {type(value).__name__} where true or false belongs")
+    if kind == "str":
+        if not isinstance(value, str):
+            raise ValueError(f"{name}: {type(value).__name__} where text belongs")
+        return terminal_safe(value)
+    return value
+
+
+def _ints(values: Any) -> tuple[int, ...]:
+    if not isinstance(values, list) or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in values
+    ):
+        raise ValueError("selected: not a list of integers")
+    return tuple(values)
 
 
 class StatsPoller:

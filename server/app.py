@@ -8,6 +8,11 @@ responses and disconnect detection, and checks its few request bodies itself
 - POST /v1/chat/completions, POST /v1/completions: streamed as server-sent events or whole
 - GET /v1/kvchat/stats: kvchat's extension, the engine's statistics and the queue
 
+Every route but /health checks, before anything else, that the Host header names this
+server (when it listens on loopback: a web page whose name is rebound to 127.0.0.1 reaches
+the port but not with its own name) and that a POST's body is declared JSON, which a
+page cannot send to another origin without the browser asking first (CORS preflight).
+
 A streamed reply carries the request's queue position and prompt-processing progress as
 SSE comment lines (`: ...`), which every SSE client skips; with `"return_progress": true`
 also as chunks with empty `choices` and a `prompt_progress` object, as llama-server sends.
@@ -41,6 +46,9 @@ from .worker import Done, EngineWorker, Event, Failed, Job, Progress, Queued, Qu
 Handler = Callable[[Request], Awaitable[Response]]
 # A body past this is refused unread: 4x the text of a 1M-token prompt.
 MAX_BODY_BYTES = 64 << 20
+# A body that stops arriving for this long is refused (408): a slow sender holds a
+# connection, not the server.
+BODY_TIMEOUT_S = 30.0
 # How often a whole (unstreamed) reply checks whether its client is still there.
 _DISCONNECT_POLL_S = 0.25
 
@@ -55,13 +63,12 @@ class KvchatApi:
         model_name: str,
         document: Conversation,
         api_key: str | None,
+        hosts: frozenset[str] | None,
+        body_timeout_s: float = BODY_TIMEOUT_S,
     ) -> None:
-        self.worker, self.model_name, self.document, self.api_key = (
-            worker,
-            model_name,
-            document,
-            api_key,
-        )
+        """`hosts`: the Host headers this server answers (serve.local_hosts); None: any."""
+        self.worker, self.model_name, self.document = worker, model_name, document
+        self.api_key, self.hosts, self.body_timeout_s = api_key, hosts, body_timeout_s
         self.created = int(time.time())
 
     def app(self) -> Starlette:
@@ -77,6 +84,7 @@ class KvchatApi:
     def _guard(self, handler: Handler) -> Handler:
         async def guarded(request: Request) -> Response:
             try:
+                self._check_host(request)
                 if self.api_key is not None:
                     given = request.headers.get("authorization", "")
                     expected = f"Bearer {self.api_key}"
@@ -87,11 +95,23 @@ class KvchatApi:
                             kind="authentication_error",
                             code="invalid_api_key",
                         )
+                if request.method == "POST":
+                    _check_json(request)
                 return await handler(request)
             except ApiError as e:
                 return JSONResponse(e.body(), status_code=e.status)
 
         return guarded
+
+    def _check_host(self, request: Request) -> None:
+        host = request.headers.get("host", "").lower()
+        if self.hosts is not None and host not in self.hosts:
+            raise ApiError(
+                421,
+                f"the Host header {host[:100]!r} does not name this server; use "
+                + " or ".join(sorted(h for h in self.hosts if ":" in h.rpartition("]")[2])),
+                code="misdirected_request",
+            )
 
     async def health(self, request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -128,7 +148,7 @@ class KvchatApi:
         return JSONResponse(json.loads(json.dumps(body, default=str)))
 
     async def chat(self, request: Request) -> Response:
-        body = parse_json(await _body(request))
+        body = parse_json(await self._body(request))
         req = chat_request(body, self.worker.engine.settings.generation)
         conversation = dataclasses.replace(
             self.document, system=req.system or self.document.system, messages=req.turns
@@ -140,11 +160,38 @@ class KvchatApi:
         return await self._respond(request, ids, req.sampling, _ChatShape(self.model_name))
 
     async def completions(self, request: Request) -> Response:
-        body = parse_json(await _body(request))
+        body = parse_json(await self._body(request))
         req = completion_request(body, self.worker.engine.settings.generation)
         tokenizer = self.worker.engine.tokenizer
         ids = await self._prompt(lambda: tokenizer.encode(req.prompt), req.sampling)
         return await self._respond(request, ids, req.sampling, _CompletionShape(self.model_name))
+
+    async def _body(self, request: Request) -> bytes:
+        """The request's body once the queue has room for it: refused with 503 before it is
+        read when the queue is full, with 413 past MAX_BODY_BYTES before more is read, and
+        with 408 when it stops arriving for body_timeout_s."""
+        try:
+            self.worker.check_room()
+        except QueueFullError as e:
+            raise _busy(e) from None
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES >> 20} MiB")
+        chunks, size = [], 0
+        stream = request.stream().__aiter__()
+        while True:
+            try:
+                chunk = await asyncio.wait_for(anext(stream), self.body_timeout_s)
+            except StopAsyncIteration:
+                return b"".join(chunks)
+            except TimeoutError:
+                raise ApiError(
+                    408, f"the body stopped arriving for {self.body_timeout_s:g} s"
+                ) from None
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES >> 20} MiB")
+            chunks.append(chunk)
 
     async def _prompt(self, encode: Callable[[], list[int]], sampling: Sampling) -> list[int]:
         """The prompt's ids, refused (400, with the plan's numbers) when the settings or the
@@ -179,7 +226,7 @@ class KvchatApi:
         try:
             self.worker.submit(job)
         except QueueFullError as e:
-            raise ApiError(503, str(e), kind="server_error", code="queue_full") from None
+            raise _busy(e) from None
         if sampling.stream:
             return _JobStream(job, _stream(events, sampling, shape))
         return await _whole(request, job, events, shape)
@@ -329,18 +376,18 @@ async def _whole(
         job.cancel.set()
 
 
-async def _body(request: Request) -> bytes:
-    """The request's body, refused with 413 past MAX_BODY_BYTES before more is read."""
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES >> 20} MiB")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES >> 20} MiB")
-        chunks.append(chunk)
-    return b"".join(chunks)
+def _check_json(request: Request) -> None:
+    media_type = request.headers.get("content-type", "").partition(";")[0].strip().lower()
+    if media_type != "application/json":
+        raise ApiError(
+            415,
+            f"the body must be sent as Content-Type: application/json, not {media_type[:100]!r}",
+            code="unsupported_media_type",
+        )
+
+
+def _busy(error: QueueFullError) -> ApiError:
+    return ApiError(503, str(error), kind="server_error", code="queue_full")
 
 
 def _failure(event: Failed) -> ApiError:

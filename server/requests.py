@@ -16,6 +16,9 @@ from kvchat.config import GenerationSettings, schema_fields
 from kvchat.config.validate import Invalid, coerce
 
 MAX_STOP = 4  # as OpenAI allows
+# Characters of one stop string, as hosted APIs bound them: the engine thread scans each
+# token's text for them, and a client's strings must not cost every other client time.
+MAX_STOP_CHARS = 256
 
 
 class ApiError(Exception):
@@ -170,6 +173,10 @@ def _sampling(body: dict[str, Any], defaults: GenerationSettings, *max_names: st
             value = coerce(limits[key], name, body[name])
         except Invalid as e:
             raise ApiError(400, str(e), name) from None
+        if key == "max_new_tokens":
+            # The server's own generation.max_new_tokens is the most one request gets: the
+            # engine serves one request at a time.
+            value = min(value, defaults.max_new_tokens)
         params = replace(params, **{key: value})
     stop = body.get("stop")
     if stop is None:
@@ -180,6 +187,8 @@ def _sampling(body: dict[str, Any], defaults: GenerationSettings, *max_names: st
         raise ApiError(400, "stop must be a non-empty string or an array of them", "stop")
     if len(stop) > MAX_STOP:
         raise ApiError(400, f"stop takes at most {MAX_STOP} strings", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise ApiError(400, f"a stop string takes at most {MAX_STOP_CHARS} characters", "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "stream must be true or false", "stream")

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-import ipaddress
 import signal
 import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+from kvchat.core.addresses import is_loopback
 
 if TYPE_CHECKING:  # the CLI imports this module at start-up: torch and uvicorn load on serve()
     from kvchat.core.conversation import Conversation
@@ -15,21 +17,38 @@ if TYPE_CHECKING:  # the CLI imports this module at start-up: torch and uvicorn 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_MAX_WAITING = 16
-API_KEY_ENV = "KVCHAT_API_KEY"
+# The most time one request holds the engine from the start of its turn: every other client
+# waits meanwhile.
+DEFAULT_REQUEST_TIME_S = 600.0
+# The server's own key: apart from the client's ($KVCHAT_API_KEY), which a user may have set
+# for another server.
+SERVER_KEY_ENV = "KVCHAT_SERVER_KEY"
 SHUTDOWN_GRACE_S = 2
+# Open connections past the queue's size that uvicorn accepts before it answers 503: clients
+# reading the stats, and those whose request is refused.
+SPARE_CONNECTIONS = 32
+
+
+@dataclass(frozen=True)
+class ServeLimits:
+    """What one client can take of the engine: places in the queue, seconds of its turn."""
+
+    max_waiting: int
+    request_time_s: float
 
 
 class ServeError(ValueError):
     """A server that cannot start as asked (an address, a key): says what to change."""
 
 
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
+def local_hosts(host: str, port: int) -> frozenset[str] | None:
+    """The Host headers a server listening on loopback answers: its own address and
+    localhost, with and without the port. None (any) for a server that listens beyond
+    loopback: that one requires an API key, which a page that rebinds a name does not have."""
+    if not is_loopback(host):
+        return None
+    names = {"localhost", "127.0.0.1", "[::1]", f"[{host}]" if ":" in host else host}
+    return frozenset({*names, *(f"{name}:{port}" for name in names)})
 
 
 def check_address(host: str, api_key: str | None) -> None:
@@ -37,7 +56,8 @@ def check_address(host: str, api_key: str | None) -> None:
     if not is_loopback(host) and not api_key:
         raise ServeError(
             f"--host {host} lets other machines reach the server: set an API key with "
-            f"--api-key or ${API_KEY_ENV} (clients then send Authorization: Bearer KEY)"
+            f"--api-key-file, ${SERVER_KEY_ENV} or --api-key (clients then send Authorization: "
+            "Bearer KEY)"
         )
 
 
@@ -60,7 +80,7 @@ def serve(
     model_name: str,
     sock: socket.socket,
     api_key: str | None,
-    max_waiting: int,
+    limits: ServeLimits,
     on_ready: Callable[[str], None],
 ) -> None:
     """Serve on the bound `sock` until SIGINT/SIGTERM; `on_ready(url)` once it accepts."""
@@ -69,8 +89,9 @@ def serve(
     from .app import KvchatApi
     from .worker import EngineWorker
 
-    worker = EngineWorker(engine, max_waiting)
-    api = KvchatApi(worker, model_name, document, api_key)
+    worker = EngineWorker(engine, limits.max_waiting, limits.request_time_s)
+    host, port = sock.getsockname()[:2]
+    api = KvchatApi(worker, model_name, document, api_key, local_hosts(host, port))
 
     # On SIGINT/SIGTERM uvicorn waits for open replies; a reply still streaming after that is
     # cancelled, which stops its request in the engine within a chunk or a token.
@@ -90,9 +111,9 @@ def serve(
         access_log=False,
         lifespan="off",
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        limit_concurrency=limits.max_waiting + 1 + SPARE_CONNECTIONS,
     )
     server = Server(config)
-    host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     on_ready(f"http://{shown}:{port}/v1")
     try:

@@ -68,6 +68,12 @@ class Job:
     stop: tuple[str, ...]
     emit: Callable[[Event], None]
     cancel: threading.Event = field(default_factory=threading.Event)
+    timed_out: threading.Event = field(default_factory=threading.Event)
+
+    def time_out(self) -> None:
+        """Stop the engine on this job, as a cancel does, for running past the time limit."""
+        self.timed_out.set()
+        self.cancel.set()
 
 
 class QueueFullError(Exception):
@@ -76,10 +82,14 @@ class QueueFullError(Exception):
 
 class StopScanner:
     """Text released as it is generated, holding back only what may begin a stop string: the
-    text before the first stop string is all a client sees."""
+    text before the first stop string is all a client sees. Each push costs time linear in
+    the text and the stop strings' lengths: at most the longest stop's length less one
+    character is held, and the held text's longest end that begins a stop is found by
+    Knuth-Morris-Pratt matching."""
 
     def __init__(self, stops: tuple[str, ...]) -> None:
         self.stops = stops
+        self._failures = [_failure(stop) for stop in stops]
         self.held = ""
         self.stopped = False
 
@@ -92,10 +102,8 @@ class StopScanner:
             self.stopped = True
             out, self.held = self.held[: min(found)], ""
             return out
-        keep = max(
-            (n for s in self.stops for n in range(1, len(s)) if self.held.endswith(s[:n])),
-            default=0,
-        )
+        pairs = zip(self.stops, self._failures, strict=True)
+        keep = max(_begun(self.held, stop, failure) for stop, failure in pairs)
         out = self.held[: len(self.held) - keep]
         self.held = self.held[len(out) :]
         return out
@@ -105,13 +113,43 @@ class StopScanner:
         return out
 
 
+def _failure(stop: str) -> list[int]:
+    """KMP's table: for each prefix stop[:i + 1], the length of its longest proper prefix that
+    is also its end."""
+    table = [0] * len(stop)
+    k = 0
+    for i in range(1, len(stop)):
+        while k and stop[i] != stop[k]:
+            k = table[k - 1]
+        if stop[i] == stop[k]:
+            k += 1
+        table[i] = k
+    return table
+
+
+def _begun(held: str, stop: str, failure: list[int]) -> int:
+    """The length of the longest end of `held` that is a proper beginning of `stop` (which
+    `held` does not contain): only its last len(stop) - 1 characters can be one."""
+    k = 0
+    for ch in held[max(len(held) - len(stop) + 1, 0) :]:
+        while k and (k == len(stop) or stop[k] != ch):
+            k = failure[k - 1]
+        if stop[k] == ch:
+            k += 1
+    return k
+
+
 class EngineWorker:
     """The thread that owns the engine. `submit` queues a job (QueueFullError past
-    `max_waiting`); the thread runs jobs in order until `close`."""
+    `max_waiting`); the thread runs jobs in order until `close`, each for at most
+    `time_limit_s` from the start of its turn (None: no limit)."""
 
-    def __init__(self, engine: Engine, max_waiting: int) -> None:
+    def __init__(
+        self, engine: Engine, max_waiting: int, time_limit_s: float | None = None
+    ) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
+        self.time_limit_s = time_limit_s
         self._waiting: deque[Job] = deque()
         self._running: Job | None = None
         self._lock = threading.Condition()
@@ -121,16 +159,25 @@ class EngineWorker:
         self._thread = threading.Thread(target=self._run, name="kvchat-engine", daemon=True)
         self._thread.start()
 
+    def check_room(self) -> None:
+        """QueueFullError when a job submitted now would be refused: a request is turned away
+        with it before its body is read and its prompt tokenized."""
+        with self._lock:
+            self._check_room()
+
     def submit(self, job: Job) -> None:
         with self._lock:
-            if len(self._waiting) >= self.max_waiting:
-                raise QueueFullError(
-                    f"the server is busy: {len(self._waiting)} requests are waiting "
-                    f"(at most {self.max_waiting}); try again shortly"
-                )
+            self._check_room()
             self._waiting.append(job)
             job.emit(Queued(len(self._waiting) - 1 + (self._running is not None)))
             self._lock.notify()
+
+    def _check_room(self) -> None:
+        if len(self._waiting) >= self.max_waiting:
+            raise QueueFullError(
+                f"the server is busy: {len(self._waiting)} requests are waiting "
+                f"(at most {self.max_waiting}); try again shortly"
+            )
 
     def queue_state(self) -> dict[str, int | bool]:
         with self._lock:
@@ -175,6 +222,11 @@ class EngineWorker:
     def _serve(self, job: Job) -> None:
         started = time.monotonic()
         outcome: dict[str, Any] = {"prompt_tokens": len(job.prompt), "completion_tokens": 0}
+        # The engine stops at its cancel event: the client's, or the time limit's. A reply cut
+        # by the limit ends as "length"; a prompt still prefilling, with 504.
+        timer = threading.Timer(self.time_limit_s or 0, job.time_out)
+        if self.time_limit_s is not None:
+            timer.start()
         try:
             if job.cancel.is_set():
                 raise Cancelled("the client left before its turn")
@@ -182,10 +234,15 @@ class EngineWorker:
             outcome["status"] = done.finish_reason
             job.emit(done)
         except Cancelled:
-            outcome["status"] = "cancelled"
-            # Ends the reply of a client still there (the server is stopping); nobody reads
-            # it after a disconnect.
-            job.emit(Failed(503, "the request was cancelled: the server is stopping"))
+            if job.timed_out.is_set():
+                outcome["status"] = "timed out"
+                limit = f"{self.time_limit_s:g} s a request"
+                job.emit(Failed(504, f"the prompt took past the server's limit of {limit}"))
+            else:
+                outcome["status"] = "cancelled"
+                # Ends the reply of a client still there (the server is stopping); nobody
+                # reads it after a disconnect.
+                job.emit(Failed(503, "the request was cancelled: the server is stopping"))
         except USER_ERRORS as e:
             outcome["status"] = "refused"
             job.emit(Failed(400, str(e)))
@@ -193,6 +250,8 @@ class EngineWorker:
             _log.exception("request failed")
             outcome["status"] = "failed"
             job.emit(Failed(500, f"the engine failed: {type(e).__name__}: {e}"))
+        finally:
+            timer.cancel()
         outcome["seconds"] = round(time.monotonic() - started, 3)
         self.last = outcome
 
@@ -212,7 +271,7 @@ class EngineWorker:
                 job.emit(Text(text))
             if scanner.stopped:
                 break
-        if job.cancel.is_set():
+        if job.cancel.is_set() and not job.timed_out.is_set():
             raise Cancelled("cancelled")
         if rest := scanner.flush():
             job.emit(Text(rest))

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, BinaryIO, TextIO
 import argcomplete
 
 from kvchat.bench.needles import Task, ValueKind
+from kvchat.client.http import CLIENT_KEY_ENV, IDLE_TIMEOUT_S
 from kvchat.config import (
     ConfigError,
     default_config_path,
@@ -46,11 +47,13 @@ from kvchat.core.sources import STDIN, check_sources
 from kvchat.core.terminal_text import terminal_safe
 from kvchat.native import BuildProgress, build_reports
 from kvchat.server.serve import (
-    API_KEY_ENV,
     DEFAULT_HOST,
     DEFAULT_MAX_WAITING,
     DEFAULT_PORT,
+    DEFAULT_REQUEST_TIME_S,
+    SERVER_KEY_ENV,
     ServeError,
+    ServeLimits,
 )
 
 if TYPE_CHECKING:  # imported where they run: torch loads only for the commands that use it
@@ -181,7 +184,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvchat.core.engine import Engine
     from kvchat.server.serve import bind, check_address, serve
 
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    api_key = _api_key(args, SERVER_KEY_ENV, ServeError)
     check_address(args.host, api_key)  # refused before the model loads
     paths = args.document or []
     if paths:
@@ -207,8 +210,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         key = "; clients send Authorization: Bearer KEY" if api_key else ""
         print(f"kvchat: serving {model_name} on {url} (OpenAI-compatible){key}", flush=True)
 
-    serve(engine, conversation, model_name, sock, api_key, args.queue_size, ready)
+    serve(
+        engine,
+        conversation,
+        model_name,
+        sock,
+        api_key,
+        ServeLimits(args.queue_size, args.request_timeout),
+        ready,
+    )
     return 0
+
+
+def _api_key(args: argparse.Namespace, env: str, error: type[Exception]) -> str | None:
+    """The key from --api-key, else --api-key-file (its first line), else $env; `error` for a
+    file that cannot be read or holds none."""
+    if args.api_key:
+        return args.api_key
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip().partition("\n")[0].strip()
+        except (OSError, UnicodeDecodeError) as e:
+            raise error(f"--api-key-file {args.api_key_file}: cannot read it ({e})") from None
+        if not key:
+            raise error(f"--api-key-file {args.api_key_file}: the file holds no key")
+        return key
+    return os.environ.get(env) or None
 
 
 def _read_conversation(engine: Engine, paths: Sequence[str], verbose: bool) -> Conversation:
@@ -575,6 +602,16 @@ def _positive(text: str) -> int:
     return value
 
 
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a number of seconds above 0, not {text!r}")
+    return value
+
+
 def _parse_depths(text: str) -> int | list[float]:
     """A count of evenly spaced depths ("5") or the depths themselves ("0.25,0.5,0.75")."""
     if "," not in text and "." not in text:
@@ -677,7 +714,22 @@ def _add_server_options(parser: argparse.ArgumentParser, default: object) -> Non
         "--api-key",
         metavar="KEY",
         default=default,
-        help=f"the app with --server: send Authorization: Bearer KEY (default: ${API_KEY_ENV})",
+        help=f"the app with --server: send Authorization: Bearer KEY (default: "
+        f"--api-key-file, else ${CLIENT_KEY_ENV}; a flag's value shows in the process list)",
+    )
+    parser.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        default=default,
+        help="the app with --server: the key to send, read from this file",
+    )
+    parser.add_argument(
+        "--server-timeout",
+        metavar="SECONDS",
+        type=_seconds,
+        default=default,
+        help=f"the app with --server: give up on a reply when the server sends nothing for "
+        f"this long, its prefill included (default: {IDLE_TIMEOUT_S:g})",
     )
 
 
@@ -688,11 +740,15 @@ def _steps(args: argparse.Namespace):  # noqa: ANN202 - bridge.Steps, imported w
     from kvchat.tui.remote_steps import RemoteSteps
 
     if args.server is None:
-        if args.api_key is not None:
-            raise ServerError("--api-key is for --server (kvchat serve takes it after serve)")
+        given = [args.api_key, args.api_key_file, args.server_timeout]
+        if any(value is not None for value in given):
+            raise ServerError(
+                "--api-key, --api-key-file and --server-timeout are for --server (kvchat serve "
+                "takes its key after serve)"
+            )
         return LocalSteps()
-    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
-    return RemoteSteps(OpenAIServer(args.server, api_key))
+    key = _api_key(args, CLIENT_KEY_ENV, ServerError)
+    return RemoteSteps(OpenAIServer(args.server, key, args.server_timeout or IDLE_TIMEOUT_S))
 
 
 def cmd_app(args: argparse.Namespace) -> int:
@@ -867,8 +923,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--api-key",
         metavar="KEY",
-        help=f"require Authorization: Bearer KEY (default: ${API_KEY_ENV}); needed to listen on "
-        "an address other machines can reach",
+        help=f"require Authorization: Bearer KEY (default: --api-key-file, else "
+        f"${SERVER_KEY_ENV}; a flag's value shows in the process list); needed to listen on an "
+        "address other machines can reach",
+    )
+    serve.add_argument(
+        "--api-key-file", metavar="PATH", help="the key to require, read from this file"
     )
     serve.add_argument(
         "--queue-size",
@@ -876,6 +936,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_MAX_WAITING,
         help="requests that may wait for the engine; more are refused with 503 "
         "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--request-timeout",
+        metavar="SECONDS",
+        type=_seconds,
+        default=DEFAULT_REQUEST_TIME_S,
+        help="the most one request holds the engine from the start of its turn: a reply "
+        "ends there as \"length\", a prompt still prefilling gets 504 (default: %(default)g)",
     )
     serve.add_argument(
         "--fit",

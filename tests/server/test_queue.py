@@ -5,22 +5,17 @@ is still running when the other requests arrive."""
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 
 import httpx2 as httpx
 import pytest
-import uvicorn
 
 from kvchat.config import load_settings
-from kvchat.core.conversation import Conversation
 from kvchat.core.engine import Engine
 from kvchat.core.steps import EngineStep
-from kvchat.server.app import KvchatApi
-from kvchat.server.serve import bind
-from kvchat.server.worker import EngineWorker
 
 from ..step_gate import StepGate
+from .serving import post_a_body_that_stops, serving
 
 BODY = {"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 8, "stream": True}
 
@@ -31,21 +26,11 @@ def held() -> Iterator[tuple[str, StepGate]]:
     engine = Engine.load(load_settings(overrides=["long_context.max_seq_len=4096"]).settings)
     gate = StepGate()
     engine.on_step = gate
-    worker = EngineWorker(engine, max_waiting=1)
-    api = KvchatApi(worker, "m", Conversation(), api_key=None)
-    sock = bind("127.0.0.1", 0)  # listening already: requests wait in the backlog until served
-    config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off")
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1", gate
-    finally:
-        gate.close()
-        server.should_exit = True
-        thread.join(timeout=120)
-        worker.close()
-        sock.close()
+    with serving(engine) as url:
+        try:
+            yield url, gate
+        finally:
+            gate.close()  # a held engine lets the server stop
 
 
 def test_a_full_queue_is_refused_with_503_and_positions_are_reported(held) -> None:
@@ -59,6 +44,8 @@ def test_a_full_queue_is_refused_with_503_and_positions_are_reported(held) -> No
                 refused = c.post(f"{url}/completions", json={**BODY, "stream": False})
                 assert refused.status_code == 503
                 assert refused.json()["error"]["code"] == "queue_full"
+                # Refused before its body is read: one that never comes is not waited for.
+                assert post_a_body_that_stops(url).startswith("HTTP/1.1 503")
             gate.release()
             lines = list(running.iter_lines())
     data = [line for line in lines if line.startswith("data: ")]

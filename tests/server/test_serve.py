@@ -36,7 +36,8 @@ class Server:
         return openai.OpenAI(base_url=self.url, api_key=key, max_retries=0, timeout=120)
 
     def http(self) -> httpx.Client:
-        return httpx.Client(headers={"Authorization": f"Bearer {KEY}"}, timeout=120)
+        headers = {"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}
+        return httpx.Client(headers=headers, timeout=120)
 
     def stats(self) -> dict:
         with self.http() as http:
@@ -46,7 +47,8 @@ class Server:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp("serve")
-    args = ["--api-key", KEY, "--document", str(SAMPLE_REPO), "--queue-size", "1"]
+    (tmp / "key").write_text(KEY + "\n")
+    args = ["--api-key-file", str(tmp / "key"), "--document", str(SAMPLE_REPO), "--queue-size", "1"]
     for override in OVERRIDES:
         args += ["--set", override]
     with (tmp / "server.log").open("w") as log:
@@ -139,6 +141,14 @@ def test_stop_strings_end_the_reply_before_them(server):
     assert stopped.choices[0].finish_reason == "stop"
 
 
+def test_max_tokens_past_the_servers_own_gets_the_servers(server):
+    # generation.max_new_tokens is the most one request gets: others wait meanwhile.
+    prompt = "1, 2, 3, 4, 5,"
+    whole = server.client().completions.create(model="m", prompt=prompt, max_tokens=100_000)
+    assert whole.usage.completion_tokens == MAX_NEW
+    assert whole.choices[0].finish_reason == "length"
+
+
 def test_a_client_that_disconnects_stops_the_generation(server):
     served = server.stats()["queue"]["served"]
     body = {"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 3000, "stream": True}
@@ -215,17 +225,37 @@ def test_the_api_key_is_enforced(server):
     assert [m.id for m in server.client().models.list()] == ["smollm2-135m"]
 
 
-def test_listening_beyond_loopback_needs_an_api_key(tmp_path):
-    done = subprocess.run(
-        [sys.executable, "-m", "kvchat.tui.cli", "serve", "--host", "0.0.0.0"],
+def test_the_key_stays_out_of_the_process_list(server):
+    cmdline = Path(f"/proc/{server.served.process.pid}/cmdline").read_bytes()
+    assert b"--api-key-file" in cmdline and KEY.encode() not in cmdline
+
+
+def _serve(tmp_path: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvchat.tui.cli", "serve", *args],
         capture_output=True,
         text=True,
         timeout=120,
-        env={k: v for k, v in os.environ.items() if k != "KVCHAT_API_KEY"}
-        | {"KVCHAT_HOME": str(tmp_path)},
+        env={k: v for k, v in os.environ.items() if not k.endswith("_KEY")}
+        | {"KVCHAT_HOME": str(tmp_path), **env},
     )
+
+
+def test_listening_beyond_loopback_needs_the_servers_own_key(tmp_path):
+    # The client's key in the environment is not the server's.
+    done = _serve(tmp_path, "--host", "0.0.0.0", KVCHAT_API_KEY="a-key-for-another-server")
     assert done.returncode == 2
-    assert done.stderr.count("\n") == 1 and "--api-key" in done.stderr
+    assert done.stderr.count("\n") == 1 and "$KVCHAT_SERVER_KEY" in done.stderr
+
+
+@pytest.mark.parametrize("content", [None, "\n"])
+def test_a_key_file_that_holds_no_key_is_one_clear_error(tmp_path, content):
+    key = tmp_path / "key"
+    if content is not None:
+        key.write_text(content)
+    done = _serve(tmp_path, "--api-key-file", str(key))
+    assert done.returncode == 2 and done.stderr.count("\n") == 1
+    assert done.stderr.startswith(f"kvchat: error: --api-key-file {key}: "), done.stderr
 
 
 def test_the_server_stops_promptly_and_quietly_while_a_reply_streams(tmp_path):

@@ -169,7 +169,25 @@ def test_the_cli_refuses_a_bad_server_url_and_a_key_without_a_server(capsys) -> 
     assert main(["--server", "ftp://host/v1"]) == 2
     assert "not a server URL" in capsys.readouterr().err
     assert main(["--api-key", "k"]) == 2
-    assert "--api-key is for --server" in capsys.readouterr().err
+    assert "--api-key, --api-key-file and --server-timeout are for --server" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_key_never_crosses_the_network_unencrypted(capsys, tmp_path, monkeypatch) -> None:
+    key_file = tmp_path / "key"
+    key_file.write_text("k\n")
+    for key in (["--api-key", "k"], ["--api-key-file", str(key_file)]):
+        assert main(["--server", "http://192.0.2.1:8000/v1", *key]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
+        assert "the API key would cross the network unencrypted" in line
+    monkeypatch.setenv("KVCHAT_API_KEY", "k")
+    assert main(["--server", "http://example.com/v1"]) == 2
+    assert "unencrypted" in capsys.readouterr().err
+    # Over TLS, or to this machine, it goes.
+    for url in ["https://example.com/v1", "http://127.0.0.1:8000/v1", "http://[::1]:8000"]:
+        assert OpenAIServer(url, "k").api_key == "k"
+    assert OpenAIServer("http://192.0.2.1:8000/v1").api_key is None  # no key, nothing to leak
 
 
 @pytest.fixture(scope="module")
