@@ -144,9 +144,7 @@ class EngineWorker:
     `max_waiting`); the thread runs jobs in order until `close`, each for at most
     `time_limit_s` from the start of its turn (None: no limit)."""
 
-    def __init__(
-        self, engine: Engine, max_waiting: int, time_limit_s: float | None = None
-    ) -> None:
+    def __init__(self, engine: Engine, max_waiting: int, time_limit_s: float | None = None) -> None:
         self.engine = engine
         self.max_waiting = max_waiting
         self.time_limit_s = time_limit_s
@@ -228,32 +226,35 @@ class EngineWorker:
         if self.time_limit_s is not None:
             timer.start()
         try:
-            if job.cancel.is_set():
-                raise Cancelled("the client left before its turn")
-            done = self._generate(job, outcome)
-            outcome["status"] = done.finish_reason
-            job.emit(done)
-        except Cancelled:
-            if job.timed_out.is_set():
-                outcome["status"] = "timed out"
-                limit = f"{self.time_limit_s:g} s a request"
-                job.emit(Failed(504, f"the prompt took past the server's limit of {limit}"))
-            else:
-                outcome["status"] = "cancelled"
-                # Ends the reply of a client still there (the server is stopping); nobody
-                # reads it after a disconnect.
-                job.emit(Failed(503, "the request was cancelled: the server is stopping"))
-        except USER_ERRORS as e:
-            outcome["status"] = "refused"
-            job.emit(Failed(400, str(e)))
-        except Exception as e:  # the request fails; the server goes on serving
-            _log.exception("request failed")
-            outcome["status"] = "failed"
-            job.emit(Failed(500, f"the engine failed: {type(e).__name__}: {e}"))
+            end, outcome["status"] = self._end(job, outcome)
         finally:
             timer.cancel()
         outcome["seconds"] = round(time.monotonic() - started, 3)
+        # Before the end is sent: a client that reads the statistics then sees its request.
         self.last = outcome
+        job.emit(end)
+
+    def _end(self, job: Job, outcome: dict[str, Any]) -> tuple[Done | Failed, str]:
+        """How the job ends, and its status in the statistics."""
+        try:
+            if job.cancel.is_set():
+                raise Cancelled("the client left before its turn")
+            done = self._generate(job, outcome)
+            return done, done.finish_reason
+        except Cancelled:
+            if job.timed_out.is_set():
+                limit = f"{self.time_limit_s:g} s a request"
+                return Failed(504, f"the prompt took past the server's limit of {limit}"), (
+                    "timed out"
+                )
+            # Ends the reply of a client still there (the server is stopping); nobody reads
+            # it after a disconnect.
+            return Failed(503, "the request was cancelled: the server is stopping"), "cancelled"
+        except USER_ERRORS as e:
+            return Failed(400, str(e)), "refused"
+        except Exception as e:  # the request fails; the server goes on serving
+            _log.exception("request failed")
+            return Failed(500, f"the engine failed: {type(e).__name__}: {e}"), "failed"
 
     def _generate(self, job: Job, outcome: dict[str, Any]) -> Done:
         session, params, ids = self.engine.session, job.params, job.prompt
