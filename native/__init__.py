@@ -92,14 +92,6 @@ def build_extension(
     """The module compiled from `sources` (with native/include on the include path), or None
     with a warning logged when it cannot be built. `purpose`: what the kernels do, for the
     progress line and the warning; `fallback`: what running without them costs."""
-    from torch.utils import cpp_extension
-
-    if shutil.which("ninja") is None:
-        # torch runs `ninja` from PATH; the ninja wheel puts it next to the interpreter, which
-        # is not on PATH when the virtual environment is not activated (as under `make test`).
-        import ninja
-
-        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
     name = build_name(prefix, sources)
     build_dir = build_root() / name
     try:
@@ -110,14 +102,7 @@ def build_extension(
             if built is not None:
                 return built
             with _watch(build_dir, purpose, len(sources)):
-                module = cpp_extension.load(
-                    name=name,
-                    sources=[str(path) for path in sources],
-                    extra_cflags=flags(),
-                    extra_ldflags=["-fopenmp"],
-                    extra_include_paths=[str(INCLUDE)],
-                    build_directory=str(build_dir),
-                )
+                module = _compile(name, sources, build_dir)
             (build_dir / BUILT).write_text(Path(module.__file__).name + "\n")
             return module
     except (OSError, RuntimeError, ImportError) as err:
@@ -126,11 +111,34 @@ def build_extension(
         return None
 
 
-def build_root() -> Path:
-    """Where the builds are cached: $TORCH_EXTENSIONS_DIR, else torch's default folder."""
+def _compile(name: str, sources: Sequence[Path], build_dir: Path) -> ModuleType:
+    # Imported only to compile: it imports setuptools, which a process that imported the
+    # standard library's distutils first (pip does) cannot import.
     from torch.utils import cpp_extension
 
-    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or cpp_extension.get_default_build_root())
+    if shutil.which("ninja") is None:
+        # torch runs `ninja` from PATH; the ninja wheel puts it next to the interpreter, which
+        # is not on PATH when the virtual environment is not activated (as under `make test`).
+        import ninja
+
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+    return cpp_extension.load(
+        name=name,
+        sources=[str(path) for path in sources],
+        extra_cflags=flags(),
+        extra_ldflags=["-fopenmp"],
+        extra_include_paths=[str(INCLUDE)],
+        build_directory=str(build_dir),
+    )
+
+
+def build_root() -> Path:
+    """Where the builds are cached: $TORCH_EXTENSIONS_DIR, else torch's default folder."""
+    if root := os.environ.get("TORCH_EXTENSIONS_DIR"):
+        return Path(root)
+    from torch.utils import cpp_extension
+
+    return Path(cpp_extension.get_default_build_root())
 
 
 def _load_built(name: str, build_dir: Path) -> ModuleType | None:
