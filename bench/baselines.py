@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 
-from kvchat.core.weights import resolve_model_path
+from kvchat.core.model_files import resolve_model_path
 
 LLAMA_CPP_PIP = "llama-cpp-python==0.3.36"
 

@@ -116,8 +116,8 @@ def run_bench(
             decode_tokens=args.decode_tokens,
             log=log,
         )
+    from kvchat.core.model_files import resolve_model_path
     from kvchat.core.tokenizer import load_tokenizer
-    from kvchat.core.weights import resolve_model_path
 
     from .tokenizer_speed import tokenize_benchmark
 

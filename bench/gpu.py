@@ -31,7 +31,8 @@ import torch
 from kvchat.config import AnchorType, KvType, LongContextSettings, PositionMode, Settings
 from kvchat.core.model import Transformer
 from kvchat.core.model_config import ModelConfig, RopeScaling
-from kvchat.core.weights import ModelWeights, expected_shapes, load_weights, resolve_model_path
+from kvchat.core.model_files import load_weights, resolve_model_path
+from kvchat.core.weights import ModelWeights, expected_shapes
 from kvchat.kv.kernels import attention_ops
 from kvchat.kv.quant import KV_TYPES, bytes_per_token
 from kvchat.kv.sparse import SparseBackend

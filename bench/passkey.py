@@ -17,8 +17,8 @@ from functools import partial
 
 from kvchat.config import Settings
 from kvchat.core.engine import Engine, ProgressFn
+from kvchat.core.model_files import resolve_model_path
 from kvchat.core.tokenizer import load_tokenizer
-from kvchat.core.weights import resolve_model_path
 
 from .grid import (
     Log,

@@ -21,6 +21,7 @@ from urllib.parse import urlsplit
 
 from kvchat.core.addresses import is_loopback
 from kvchat.core.cancel import Cancelled
+from kvchat.core.errors import UserError
 from kvchat.core.terminal_text import terminal_safe
 
 REQUEST_TIMEOUT_S = 30.0
@@ -39,7 +40,7 @@ _PROGRESS_COMMENT = re.compile(r"prompt (\d+)/(\d+)")
 CLIENT_KEY_ENV = "KVCHAT_API_KEY"
 
 
-class ServerError(Exception):
+class ServerError(UserError):
     """A server that cannot be reached, refuses a request, or answers in a shape kvchat cannot
     read; `status` is the HTTP status when there was one."""
 

@@ -13,11 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from .errors import UserError
+
 # git's binary test looks at the first 8000 bytes; a longer look costs nothing next to a read.
 BINARY_PROBE_BYTES = 65536
 
 
-class DocumentError(ValueError):
+class DocumentError(UserError, ValueError):
     """The file cannot be used as a document; the message says why, naming the file."""
 
 

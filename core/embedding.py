@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from .int4_layer import narrowed_scales
-from .weights import Int4Groups, Int8Groups
+from .weights import Int4Groups, Int8Groups, tensor_bytes
 
 
 class TokenTable(Protocol):
@@ -51,7 +51,7 @@ class Int4Table:
         self.packed = q[:, 0::2] | (q[:, 1::2] << 4)
         self.scale, self.minimum = narrowed_scales(groups.scale, groups.minimum)
         self.dtype = dtype
-        self.nbytes = sum(_nbytes(t) for t in (self.packed, self.scale, self.minimum))
+        self.nbytes = tensor_bytes(self.packed, self.scale, self.minimum)
         self.row_bytes = self.nbytes // q.shape[0]
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,7 @@ class Int8Table:
     def __init__(self, groups: Int8Groups, dtype: torch.dtype) -> None:
         self.groups, self.dtype = groups, dtype
         held = [groups.q, groups.scale, groups.minimum]
-        self.nbytes = sum(_nbytes(t) for t in held if t is not None)
+        self.nbytes = tensor_bytes(*held)
         self.row_bytes = self.nbytes // groups.q.shape[0]
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
@@ -99,7 +99,3 @@ def grouped_table_bytes(
     if int4:
         return vocab * hidden // 2 + 2 * groups * scale_itemsize
     return vocab * hidden + groups * 4 * (2 if minimum else 1)
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()

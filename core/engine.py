@@ -46,6 +46,7 @@ from .memory import (
 )
 from .model import Transformer, decoder_ops
 from .model_config import ModelConfig
+from .model_files import load_weights, resolve_model_path
 from .plan import MemoryPlan, PlanRefusedError, check_model_fits, plan_memory
 from .sampling import sample_next
 from .snapshot import (
@@ -63,7 +64,6 @@ from .steps import EngineStep, StepHook
 from .tokenizer import Tokenizer, TooManyTokensError, load_tokenizer
 from .turns import ProgressFn, ReplyEnd, Turns
 from .weight_plan import planned_weights
-from .weights import load_weights, resolve_model_path
 
 EFFECTS = ("live", "cache", "reload")
 

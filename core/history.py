@@ -21,6 +21,8 @@ from pathlib import Path
 from kvchat.config.home import Place, create_private_file, folder_for, private_folder
 from kvchat.config.store import atomic_write_text
 
+from .errors import UserError
+
 DB_NAME = "conversations.sqlite3"
 TITLE_CHARS = 60
 STOPPED_MARK = "*[stopped]*"
@@ -52,7 +54,7 @@ CREATE TABLE IF NOT EXISTS messages (
 """
 
 
-class HistoryError(Exception):
+class HistoryError(UserError):
     """The conversation file cannot be read or written; the message names it and says why."""
 
 

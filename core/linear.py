@@ -28,7 +28,7 @@ from kvchat.kv.kernels import triton_available
 from kvchat.native.cpu import widened_products
 
 from .int4_layer import Int4Pack, pack_int4
-from .weights import GROUP_SIZE, Int4Groups, Int8Groups
+from .weights import GROUP_SIZE, Int4Groups, Int8Groups, tensor_bytes
 
 WEIGHT_FORMATS = ("dense", "int4")
 # The op as torch's own function: through torch.ops it costs ~5 us more a call (the packet
@@ -79,8 +79,8 @@ class DenseLinear:
         else:
             self._product = self._plain
         self.format = str(weight.dtype).removeprefix("torch.")
-        self.nbytes = _nbytes(weight, bias, self._copy)
-        self.read_bytes = _nbytes(weight if self._copy is None else self._copy, bias)
+        self.nbytes = tensor_bytes(weight, bias, self._copy)
+        self.read_bytes = tensor_bytes(weight if self._copy is None else self._copy, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._product(x)
@@ -110,7 +110,7 @@ class Int4Linear:
         self.scale_zero = torch.stack([groups.scale.t(), zero.t()], dim=-1).to(dtype).contiguous()
         self.bias = bias
         self.format = "int4"
-        self.nbytes = self.read_bytes = _nbytes(self.packed, self.scale_zero, bias)
+        self.nbytes = self.read_bytes = tensor_bytes(self.packed, self.scale_zero, bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2:  # every call of the decoder: no reshapes around the product
@@ -143,7 +143,7 @@ class PackedInt4Linear:
         self.pack, self.bias, self._ops = pack, bias, ops
         self.out_features = pack.out_features
         self.format = "int4"
-        self.nbytes = self.read_bytes = pack.nbytes + _nbytes(bias)
+        self.nbytes = self.read_bytes = pack.nbytes + tensor_bytes(bias)
         self._unpack_rows = _unpack_rows(self.UNPACK_ROWS)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -217,7 +217,7 @@ class Int8Linear:
         self.bias, self._ops, self.out_dtype, self.table = bias, ops, out_dtype, table
         self.out_features = groups.q.shape[0]
         self.format = "int8"
-        self.nbytes = self.read_bytes = _nbytes(self.packed, self.scale, self.minimum, bias)
+        self.nbytes = self.read_bytes = tensor_bytes(self.packed, self.scale, self.minimum, bias)
         self._unpack_rows = _unpack_rows(self.UNPACK_ROWS)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
@@ -239,10 +239,6 @@ def _unpack_rows(rows: int) -> int | None:
     """`rows`, from which a quantized layer unpacks its weight for a bf16 product; None where
     bf16 products are not in hardware (its integer product then takes every row)."""
     return None if widened_products(torch.device("cpu"), torch.bfloat16) else rows
-
-
-def _nbytes(*tensors: torch.Tensor | None) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 class ConcatLinear:

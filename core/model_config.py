@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from .errors import UserError
+
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
 ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(UserError, ValueError):
     """The file describes a model kvchat cannot run (architecture, rope type, missing keys)."""
 
 

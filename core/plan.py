@@ -15,6 +15,7 @@ from kvchat.kv.pinning import gathered_blocks
 from kvchat.kv.quant import bytes_per_token
 from kvchat.kv.sparse import window_capacity
 
+from .errors import UserError
 from .memory import available_memory
 from .model_config import ModelConfig
 
@@ -33,7 +34,7 @@ TOKEN_ID_BYTES = 64
 PLAN_SIZES = (4096, 32768, 65536, 131072, 524288, 1048576)
 
 
-class PlanRefusedError(ValueError):
+class PlanRefusedError(UserError, ValueError):
     """A prompt exceeds the configured context or this machine's memory; says what to change."""
 
 

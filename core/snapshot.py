@@ -70,6 +70,7 @@ from kvchat.kv import host_pages
 from kvchat.kv.sparse import RETUNABLE
 from kvchat.kv.state import CacheState
 
+from .errors import UserError
 from .gguf_header import read_gguf_header
 from .model_config import ModelConfig
 from .terminal_text import terminal_safe
@@ -115,7 +116,7 @@ _HEADER_TYPES = {
 log = logging.getLogger(__name__)
 
 
-class SnapshotError(ValueError):
+class SnapshotError(UserError, ValueError):
     """A snapshot cannot be written, found or removed; the message says why."""
 
 

@@ -31,6 +31,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from kvchat.config.home import Place, folder_for, private_folder
 
 from .cancel import Cancelled
+from .errors import UserError
 
 # Model files are local; transformers must never try to reach a hub while converting a GGUF.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -74,7 +75,7 @@ _PROBE = (
 )
 
 
-class TokenizerError(ValueError):
+class TokenizerError(UserError, ValueError):
     """The tokenizer or its chat template cannot be loaded or used; the message says why."""
 
 

@@ -19,8 +19,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .linear import _nbytes
-from .weights import Int4Groups, Int8Groups
+from .weights import Int4Groups, Int8Groups, tensor_bytes
 
 # Rows from which unpacking the weight and a dense product replace the integer product.
 UNPACK_ROWS = 16
@@ -176,7 +175,7 @@ class TritonGroupsLinear:
         self.bias, self.dtype = bias, dtype
         self.out_features, self.in_features = n, k
         self.format = "int4" if self.bits == 4 else "int8"
-        self.nbytes = self.read_bytes = _nbytes(self.q, self.scale, self.minimum, bias)
+        self.nbytes = self.read_bytes = tensor_bytes(self.q, self.scale, self.minimum, bias)
 
     def _common(self) -> tuple:
         # The scale stands in for a missing minimum: HAS_MIN keeps the kernel from reading it.

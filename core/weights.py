@@ -1,4 +1,5 @@
-"""Model weights in one shape, whatever file they came from: types, path resolution, dispatch.
+"""Model weights in one shape, whatever file they came from: the types both loaders make, and
+the bundled models' files.
 
 Both loaders (GGUF, Hugging Face safetensors) produce a `ModelWeights` with Hugging Face
 tensor names, so the decoder model never sees a file format.
@@ -19,6 +20,7 @@ import torch
 
 from kvchat.config.home import Place, folder_for, private_folder
 
+from .errors import UserError
 from .model_config import ModelConfig
 
 # The groups' width along the input dimension (GGUF Q4_0 / Q4_1 / Q8_0 blocks, Q4_K's
@@ -26,7 +28,7 @@ from .model_config import ModelConfig
 GROUP_SIZE = 32
 
 
-class WeightsError(ValueError):
+class WeightsError(UserError, ValueError):
     """Weights that cannot be read: corrupt or truncated file, missing tensor, wrong shape."""
 
 
@@ -399,53 +401,9 @@ def _join(parts: list[Path], target: Path, model: SplitModel) -> None:
         Path(tmp).unlink(missing_ok=True)
 
 
-def resolve_model_path(spec: str) -> Path:
-    """The path to load for a bundled model name, a .gguf file, a Hugging Face folder, a repo
-    in the Hugging Face cache (org/name[:QUANT]) or an Ollama model (ollama:NAME[:TAG])."""
-    # model_sources imports this module (WeightsError, the bundled models), so it comes here.
-    from .model_sources import OLLAMA_PREFIX, hf_cache_model, ollama_model, parse_repo_spec
-
-    if spec in BUNDLED_MODELS:
-        return bundled_model_path(BUNDLED_MODELS[spec])
-    if spec in SPLIT_MODELS:
-        return split_model_path(SPLIT_MODELS[spec])
-    path = Path(spec).expanduser()
-    if path.exists():
-        return path.resolve()
-    if spec.startswith(OLLAMA_PREFIX):
-        return ollama_model(spec)
-    if (repo := parse_repo_spec(spec)) is not None:
-        return hf_cache_model(repo)
-    known = ", ".join([*BUNDLED_MODELS, *SPLIT_MODELS])
-    if path.suffix == ".gguf" or len(path.parts) > 1:
-        raise WeightsError(f"model file or folder not found: {path}")
-    raise WeightsError(
-        f"{spec!r} is neither a bundled model nor an existing path; bundled models: {known} "
-        "(or give a .gguf file, a Hugging Face folder, org/name from the Hugging Face cache "
-        "or ollama:NAME; `kvchat models` lists them)"
-    )
-
-
-def load_weights(
-    spec: str | Path, on_progress: Callable[[int, int], None] | None = None
-) -> ModelWeights:
-    """Load a GGUF file, a Hugging Face folder (config.json + safetensors) or a bundled model;
-    `on_progress(done, total)` follows the tensors read."""
-    # The loaders import this module for the shared types, so they are imported here.
-    from .gguf_loader import load_gguf
-    from .hf_loader import load_hf
-
-    path = resolve_model_path(spec) if isinstance(spec, str) else spec.expanduser().resolve()
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise WeightsError(
-                f"{path} is a folder without config.json; "
-                "expected a Hugging Face model folder or a .gguf file"
-            )
-        return load_hf(path, on_progress)
-    if path.is_file():
-        return load_gguf(path, on_progress)
-    raise WeightsError(f"model file or folder not found: {path}")
+def tensor_bytes(*tensors: torch.Tensor | None) -> int:
+    """The bytes the tensors hold (None: none)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:

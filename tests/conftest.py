@@ -105,7 +105,7 @@ def device(request) -> str:
 
 @pytest.fixture(scope="session")
 def smollm_path():
-    from kvchat.core.weights import resolve_model_path
+    from kvchat.core.model_files import resolve_model_path
 
     return resolve_model_path("smollm2-135m")
 

@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from kvchat.config import Settings
 from kvchat.core.engine import Engine, ProgressFn
 from kvchat.core.memory import reset_peak_rss
+from kvchat.core.model_files import resolve_model_path
 from kvchat.core.plan import PlanRefusedError
 from kvchat.core.tokenizer import load_tokenizer
-from kvchat.core.weights import resolve_model_path
 
 from ..grid import (
     Log,

@@ -10,8 +10,8 @@ import pytest
 from kvchat.bench import prose
 from kvchat.bench.prose import Haystack, Needle, ProseMissingError, load_prose
 from kvchat.core.documents import DocumentError
+from kvchat.core.model_files import resolve_model_path
 from kvchat.core.tokenizer import Tokenizer, load_tokenizer
-from kvchat.core.weights import resolve_model_path
 
 
 @pytest.fixture(scope="module")

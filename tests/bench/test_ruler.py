@@ -21,8 +21,8 @@ from kvchat.bench.ruler.tasks import (
     smallest_sample,
 )
 from kvchat.config import load_settings
+from kvchat.core.model_files import resolve_model_path
 from kvchat.core.tokenizer import load_tokenizer
-from kvchat.core.weights import resolve_model_path
 from kvchat.tui.cli import build_parser, main
 
 

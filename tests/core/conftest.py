@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.core.weights import ModelWeights, load_weights, resolve_model_path
+from kvchat.core.model_files import load_weights, resolve_model_path
+from kvchat.core.weights import ModelWeights
 
 
 @pytest.fixture(scope="session")

@@ -182,7 +182,7 @@ def test_the_bundled_model_reads_its_q8_0_head_as_stored(engine_fp32):
     exact table's but for the inputs' 16-bit rounding (the fp32 engine's dense head holds the
     same exact values)."""
     from kvchat.core.model import Transformer
-    from kvchat.core.weights import load_weights
+    from kvchat.core.model_files import load_weights
 
     weights = load_weights(engine_fp32.source)
     model = Transformer(weights, dtype=torch.bfloat16, weight_format="int4")

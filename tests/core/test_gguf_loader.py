@@ -794,7 +794,8 @@ CAPPED_LOAD = """
 import resource, sys
 from pathlib import Path
 from kvchat.core.tokenizer import TokenizerError, load_tokenizer
-from kvchat.core.weights import WeightsError, load_weights
+from kvchat.core.weights import WeightsError
+from kvchat.core.model_files import load_weights
 cap = 6 << 30
 resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
 for load, error in ((load_weights, WeightsError), (load_tokenizer, TokenizerError)):

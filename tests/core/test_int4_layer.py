@@ -239,7 +239,7 @@ def test_the_bundled_model_runs_on_the_packed_weights_close_to_its_exact_weights
     (the fused calls, bit for bit the single products) pick the fp32 engine's tokens, its
     logits within bf16's reach of the exact weights' (the fp32 engine holds them exactly)."""
     from kvchat.core.model import Transformer
-    from kvchat.core.weights import load_weights
+    from kvchat.core.model_files import load_weights
     from kvchat.kv.dense import DenseBackend
 
     weights = load_weights(engine_fp32.source)

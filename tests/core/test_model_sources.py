@@ -10,14 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from kvchat.core.model_files import load_weights, resolve_model_path
 from kvchat.core.model_sources import local_models
-from kvchat.core.weights import (
-    BUNDLED_MODELS,
-    WeightsError,
-    bundled_model_path,
-    load_weights,
-    resolve_model_path,
-)
+from kvchat.core.weights import BUNDLED_MODELS, WeightsError, bundled_model_path
 
 from .test_hf_loader import assert_same_tensors, save_model
 

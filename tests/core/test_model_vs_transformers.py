@@ -14,7 +14,7 @@ from transformers import (
 )
 
 from kvchat.core.model import Transformer
-from kvchat.core.weights import load_weights
+from kvchat.core.model_files import load_weights
 from kvchat.kv.dense import DenseBackend
 
 TOL = 1e-4

@@ -10,6 +10,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvchat.core.model_config import ModelConfig
+from kvchat.core.model_files import load_weights, resolve_model_path
 from kvchat.core.weights import (
     BUNDLED_MODELS,
     SPLIT_MODELS,
@@ -19,8 +20,6 @@ from kvchat.core.weights import (
     WeightsError,
     bundled_model_path,
     expected_shapes,
-    load_weights,
-    resolve_model_path,
     split_model_path,
 )
 
