@@ -93,11 +93,9 @@ def _checked(kind: Any, name: str, value: Any) -> Any:
 
 
 def _ints(values: Any) -> tuple[int, ...]:
-    if not isinstance(values, list) or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in values
-    ):
+    if not isinstance(values, list):
         raise ValueError("selected: not a list of integers")
-    return tuple(values)
+    return tuple(_checked("int", "selected", v) for v in values)
 
 
 class StatsPoller:
