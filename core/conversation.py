@@ -26,6 +26,9 @@ class Conversation:
     document_ids: list[int] = field(default_factory=list)
     document_name: str | None = None
     messages: list[dict[str, str]] = field(default_factory=list)  # user/assistant turns
+    # A system text that follows the document, at the head of the first user message: a
+    # server's client's own system message, kept out of the prefix every request shares.
+    after_document: str | None = None
 
     @property
     def has_document(self) -> bool:
@@ -43,7 +46,11 @@ class Conversation:
             turns.append({"role": "user", "content": tokenizer.shield(pending_question)})
         if self.document_ids and turns:
             first = turns[0]
-            turns[0] = {"role": first["role"], "content": f"{_PLACEHOLDER}\n\n{first['content']}"}
+            lead = f"{tokenizer.shield(self.after_document)}\n\n" if self.after_document else ""
+            turns[0] = {
+                "role": first["role"],
+                "content": f"{_PLACEHOLDER}\n\n{lead}{first['content']}",
+            }
         system = (
             [{"role": "system", "content": tokenizer.shield(self.system)}] if self.system else []
         )

@@ -181,6 +181,10 @@ class Session(Turns[Conversation]):
         # through the one-token path, whose products round differently on some CPUs.
         self._prompt_logits: tuple[int, torch.Tensor] | None = None
         self.last_prefill = PrefillReport()  # what the last sync computed, loaded, warned
+        # An extrapolating cache stays so when a shorter context comes (a server's): else one
+        # client's long request and the next one's short one rebuild the cache in turn, each
+        # prefilling the document again.
+        self.keep_extrapolating = False
 
     @property
     def logits(self) -> torch.Tensor | None:
@@ -238,8 +242,11 @@ class Session(Turns[Conversation]):
         next sync then prefills everything again.
         """
         wanted = self.engine.position_mode_for(planned_tokens)
-        if self._cache is not None and self._cache.position_mode == wanted and not self.stale:
-            return
+        cache = self._cache
+        if cache is not None and not self.stale:
+            kept = self.keep_extrapolating and cache.position_mode == PositionMode.EXTRAPOLATE
+            if cache.position_mode == wanted or kept:
+                return
         self._new_cache(planned_tokens)
 
     def rebuild(

@@ -150,9 +150,15 @@ class KvchatApi:
     async def chat(self, request: Request) -> Response:
         body = parse_json(await self._body(request))
         req = chat_request(body, self.worker.engine.settings.generation)
-        conversation = dataclasses.replace(
-            self.document, system=req.system or self.document.system, messages=req.turns
-        )
+        if self.document.has_document:
+            # The served document's prefix stays the one every request shares.
+            conversation = dataclasses.replace(
+                self.document, after_document=req.system, messages=req.turns
+            )
+        else:
+            conversation = dataclasses.replace(
+                self.document, system=req.system or self.document.system, messages=req.turns
+            )
         tokenizer = self.worker.engine.tokenizer
         ids = await self._prompt(
             lambda: conversation.prompt_ids(tokenizer, req.question), req.sampling
@@ -162,6 +168,12 @@ class KvchatApi:
     async def completions(self, request: Request) -> Response:
         body = parse_json(await self._body(request))
         req = completion_request(body, self.worker.engine.settings.generation)
+        if self.document.has_document:
+            raise ApiError(
+                400,
+                "this server answers about its document through /v1/chat/completions; a "
+                "completion's prompt would replace the document in the shared cache",
+            )
         tokenizer = self.worker.engine.tokenizer
         ids = await self._prompt(lambda: tokenizer.encode(req.prompt), req.sampling)
         return await self._respond(request, ids, req.sampling, _CompletionShape(self.model_name))

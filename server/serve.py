@@ -11,8 +11,12 @@ from typing import TYPE_CHECKING
 from kvchat.core.addresses import is_loopback
 
 if TYPE_CHECKING:  # the CLI imports this module at start-up: torch and uvicorn load on serve()
+    import uvicorn
+
     from kvchat.core.conversation import Conversation
     from kvchat.core.engine import Engine
+
+    from .app import KvchatApi
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
@@ -27,6 +31,8 @@ SHUTDOWN_GRACE_S = 2
 # Open connections past the queue's size that uvicorn accepts before it answers 503: clients
 # reading the stats, and those whose request is refused.
 SPARE_CONNECTIONS = 32
+# How long a client may take over a request's headers (and a new connection stay silent).
+HEADERS_TIMEOUT_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -74,6 +80,26 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+def uvicorn_config(
+    api: KvchatApi, max_waiting: int, headers_timeout_s: float = HEADERS_TIMEOUT_S
+) -> uvicorn.Config:
+    """How uvicorn runs `api`: connections capped past the queue's size, each held to a
+    deadline for its headers."""
+    import uvicorn
+
+    from .connections import headers_deadline
+
+    return uvicorn.Config(
+        api.app(),
+        http=headers_deadline(headers_timeout_s),
+        log_level="warning",
+        access_log=False,
+        lifespan="off",
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        limit_concurrency=max_waiting + 1 + SPARE_CONNECTIONS,
+    )
+
+
 def serve(
     engine: Engine,
     document: Conversation,
@@ -105,15 +131,7 @@ def serve(
             self.interrupted |= sig == signal.SIGINT
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(
-        api.app(),
-        log_level="warning",
-        access_log=False,
-        lifespan="off",
-        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        limit_concurrency=limits.max_waiting + 1 + SPARE_CONNECTIONS,
-    )
-    server = Server(config)
+    server = Server(uvicorn_config(api, limits.max_waiting))
     shown = f"[{host}]" if ":" in host else host
     on_ready(f"http://{shown}:{port}/v1")
     try:

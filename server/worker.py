@@ -146,6 +146,8 @@ class EngineWorker:
 
     def __init__(self, engine: Engine, max_waiting: int, time_limit_s: float | None = None) -> None:
         self.engine = engine
+        # Every client shares the one cache: no request's length switches it back and forth.
+        engine.session.keep_extrapolating = True
         self.max_waiting = max_waiting
         self.time_limit_s = time_limit_s
         self._waiting: deque[Job] = deque()

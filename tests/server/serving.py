@@ -13,21 +13,29 @@ import uvicorn
 from kvchat.core.conversation import Conversation
 from kvchat.core.engine import Engine
 from kvchat.server.app import KvchatApi
-from kvchat.server.serve import bind, local_hosts
+from kvchat.server.serve import bind, local_hosts, uvicorn_config
 from kvchat.server.worker import EngineWorker
 
 
 @contextmanager
-def serving(engine: Engine, max_waiting: int = 1, **options: Any) -> Iterator[str]:
+def serving(
+    engine: Engine,
+    max_waiting: int = 1,
+    headers_timeout_s: float = 600,
+    document: Conversation | None = None,
+    **options: Any,
+) -> Iterator[str]:
     """The API's base URL while the block runs; the server and its worker stop after it.
-    `options`: KvchatApi's own (api_key, body_timeout_s)."""
+    `document`: the conversation every chat request continues (none by default); `options`:
+    KvchatApi's own (api_key, body_timeout_s)."""
     worker = EngineWorker(engine, max_waiting)
     sock = bind("127.0.0.1", 0)  # listening already: requests wait in the backlog until served
     port = sock.getsockname()[1]
     options.setdefault("api_key", None)
-    api = KvchatApi(worker, "m", Conversation(), hosts=local_hosts("127.0.0.1", port), **options)
-    config = uvicorn.Config(api.app(), log_level="warning", access_log=False, lifespan="off")
-    server = uvicorn.Server(config)
+    api = KvchatApi(
+        worker, "m", document or Conversation(), hosts=local_hosts("127.0.0.1", port), **options
+    )
+    server = uvicorn.Server(uvicorn_config(api, max_waiting, headers_timeout_s))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:

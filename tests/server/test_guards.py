@@ -5,6 +5,8 @@ engine sees it; the client's own requests, and /health, pass."""
 
 from __future__ import annotations
 
+import socket
+import time
 from collections.abc import Iterator
 
 import httpx2 as httpx
@@ -17,13 +19,15 @@ from kvchat.server.serve import local_hosts
 from .serving import post_a_body_that_stops, serving
 
 BODY = {"model": "m", "prompt": "1, 2, 3,", "max_tokens": 2}
-BODY_TIMEOUT_S = 1.0
+BODY_TIMEOUT_S = HEADERS_TIMEOUT_S = 1.0
 
 
 @pytest.fixture(scope="module")
 def url() -> Iterator[str]:
     engine = Engine.load(load_settings(overrides=["long_context.max_seq_len=4096"]).settings)
-    with serving(engine, body_timeout_s=BODY_TIMEOUT_S) as base:
+    with serving(
+        engine, body_timeout_s=BODY_TIMEOUT_S, headers_timeout_s=HEADERS_TIMEOUT_S
+    ) as base:
         yield base
 
 
@@ -81,3 +85,33 @@ def test_a_body_that_stops_arriving_is_refused_with_408(url):
     reply = post_a_body_that_stops(url)
     assert reply.startswith("HTTP/1.1 408"), reply
     assert f"the body stopped arriving for {BODY_TIMEOUT_S:g} s" in reply
+
+
+def _closed_by_the_server(raw: socket.socket) -> bool:
+    try:
+        return raw.recv(4096) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_a_connection_that_does_not_finish_its_headers_in_time_is_closed(url):
+    host, port = url.split("//")[1].split("/")[0].split(":")
+    # Silent from the start.
+    with socket.create_connection((host, int(port)), timeout=600) as idle:  # 600 s: a hang
+        assert _closed_by_the_server(idle)
+    # Headers sent a line at a time, never ending: the deadline counts from the connection.
+    with socket.create_connection((host, int(port)), timeout=600) as slow:
+        slow.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\n".encode())
+        slow.setblocking(False)
+        ends = time.monotonic() + 600  # only a hang ends here
+        closed = False
+        while not closed and time.monotonic() < ends:
+            try:
+                slow.sendall(b"X-Pad: a\r\n")
+                closed = slow.recv(4096) == b""
+            except BlockingIOError:
+                time.sleep(0.05)
+            except (BrokenPipeError, ConnectionResetError):
+                closed = True
+        assert closed
+    assert _served(url) >= 0  # and the next client is answered

@@ -44,17 +44,27 @@ class Server:
             return http.get(f"{self.url}/kvchat/stats").raise_for_status().json()
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Server]:
-    tmp = tmp_path_factory.mktemp("serve")
+def _serving(tmp: Path, *options: str) -> Iterator[Server]:
     (tmp / "key").write_text(KEY + "\n")
-    args = ["--api-key-file", str(tmp / "key"), "--document", str(SAMPLE_REPO), "--queue-size", "1"]
+    args = ["--api-key-file", str(tmp / "key"), "--queue-size", "1", *options]
     for override in OVERRIDES:
         args += ["--set", override]
     with (tmp / "server.log").open("w") as log:
         served = start_server(args, log, os.environ | {"KVCHAT_HOME": str(tmp / "home")})
     yield Server(served)
     served.stop()
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[Server]:
+    """A server of the sample repository."""
+    yield from _serving(tmp_path_factory.mktemp("serve"), "--document", str(SAMPLE_REPO))
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory) -> Iterator[Server]:
+    """A server without a document: raw completions."""
+    yield from _serving(tmp_path_factory.mktemp("plain"))
 
 
 @pytest.fixture(scope="module")
@@ -121,8 +131,8 @@ def test_a_follow_up_turn_prefills_only_its_new_tokens(server, expected):
     assert last["prompt_tokens"] == second.usage.prompt_tokens
 
 
-def test_completions_stream_and_whole_agree(server):
-    client = server.client()
+def test_completions_stream_and_whole_agree(plain):
+    client = plain.client()
     prompt = "The lighthouse keeper climbed the stairs and"
     whole = client.completions.create(model="m", prompt=prompt, max_tokens=12)
     assert whole.usage.completion_tokens == 12 and whole.choices[0].finish_reason == "length"
@@ -130,8 +140,8 @@ def test_completions_stream_and_whole_agree(server):
     assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
 
 
-def test_stop_strings_end_the_reply_before_them(server):
-    client = server.client()
+def test_stop_strings_end_the_reply_before_them(plain):
+    client = plain.client()
     prompt = "1, 2, 3, 4, 5,"
     whole = client.completions.create(model="m", prompt=prompt, max_tokens=20)
     text = whole.choices[0].text
@@ -141,19 +151,19 @@ def test_stop_strings_end_the_reply_before_them(server):
     assert stopped.choices[0].finish_reason == "stop"
 
 
-def test_max_tokens_past_the_servers_own_gets_the_servers(server):
+def test_max_tokens_past_the_servers_own_gets_the_servers(plain):
     # generation.max_new_tokens is the most one request gets: others wait meanwhile.
     prompt = "1, 2, 3, 4, 5,"
-    whole = server.client().completions.create(model="m", prompt=prompt, max_tokens=100_000)
+    whole = plain.client().completions.create(model="m", prompt=prompt, max_tokens=100_000)
     assert whole.usage.completion_tokens == MAX_NEW
     assert whole.choices[0].finish_reason == "length"
 
 
-def test_a_client_that_disconnects_stops_the_generation(server):
-    served = server.stats()["queue"]["served"]
+def test_a_client_that_disconnects_stops_the_generation(plain):
+    served = plain.stats()["queue"]["served"]
     body = {"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 3000, "stream": True}
-    with server.http() as http:
-        with http.stream("POST", f"{server.url}/completions", json=body) as response:
+    with plain.http() as http:
+        with http.stream("POST", f"{plain.url}/completions", json=body) as response:
             assert response.status_code == 200
             texts = 0
             for line in response.iter_lines():
@@ -163,7 +173,7 @@ def test_a_client_that_disconnects_stops_the_generation(server):
     # The engine notices the closed connection at its next token; the deadline only ends a
     # test that would hang.
     deadline = time.monotonic() + 600
-    while (stats := server.stats())["queue"]["served"] == served:
+    while (stats := plain.stats())["queue"]["served"] == served:
         assert time.monotonic() < deadline, stats
         time.sleep(0.1)
     last = stats["last_request"]
@@ -200,9 +210,9 @@ def test_bad_requests_get_400_in_the_openai_shape(server, body, param):
     assert error["param"] == param
 
 
-def test_a_prompt_over_the_plan_gets_400_with_its_numbers(server):
+def test_a_prompt_over_the_plan_gets_400_with_its_numbers(plain):
     with pytest.raises(openai.BadRequestError) as raised:
-        server.client().completions.create(model="m", prompt="word " * 5000, max_tokens=8)
+        plain.client().completions.create(model="m", prompt="word " * 5000, max_tokens=8)
     error = raised.value.body
     assert error["code"] == "context_length_exceeded"
     assert "max_seq_len is 4096" in error["message"]
