@@ -9,9 +9,9 @@ from kvchat.config import Settings
 
 from .baselines import BaselineMissingError, BaselineName
 from .gpu import GpuRequiredError
+from .loopback_http import ServeBenchError
 from .prose import ProseMissingError
 from .ruler.data import RulerDataMissingError
-from .serve_load import ServeBenchError
 
 # Bad input or an unsuitable machine for a benchmark: one line and exit code 2.
 BENCH_ERRORS: tuple[type[Exception], ...] = (
@@ -102,7 +102,9 @@ def run_bench(
             server_args.append(f"--config={args.config}")
         if args.model:
             server_args.append(f"--model={args.model}")
-        result = run_serve_bench(server_args, args.clients, args.decode_tokens, log)
+        result = run_serve_bench(
+            server_args, args.clients, args.decode_tokens, log, hostile=args.hostile
+        )
         for line in summary(result):
             log(line)
         return result

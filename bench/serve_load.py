@@ -10,7 +10,7 @@ set against the plan its statistics report.
 
 from __future__ import annotations
 
-import http.client
+import dataclasses
 import json
 import os
 import statistics
@@ -23,18 +23,16 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
-from urllib.parse import urlsplit
 
 import psutil
 
 from kvchat.native.cpu import cpu_name
 from kvchat.server.serve import SERVER_KEY_ENV
 
+from .hostile_clients import Hostile, HostileRun, run_hostile
+from .loopback_http import ServeBenchError, request, response_json
+
 READY_TIMEOUT_S = 600  # a first start builds the C++ kernels
-
-
-class ServeBenchError(RuntimeError):
-    """kvchat serve did not start, or answered the bench with an error."""
 
 
 @dataclass
@@ -79,16 +77,6 @@ def start_server(
             f"kvchat serve did not start (exit {process.returncode}): {' / '.join(said)}"
         )
     return ServerProcess(process, line.split(" on ")[1].split()[0])
-
-
-def request(url: str, path: str, body: dict[str, Any] | None = None) -> http.client.HTTPResponse:
-    """POST `body` (GET without one) to url + path; the response, unread."""
-    parts = urlsplit(url)
-    connection = http.client.HTTPConnection(parts.hostname, parts.port, timeout=600)
-    data = None if body is None else json.dumps(body).encode()
-    headers = {"Content-Type": "application/json"} if body is not None else {}
-    connection.request("GET" if body is None else "POST", parts.path + path, data, headers)
-    return connection.getresponse()
 
 
 @dataclass
@@ -144,16 +132,37 @@ def _stream_chat(url: str, question: str, max_tokens: int, start: threading.Even
 
 def _whole_chat(url: str, question: str, max_tokens: int) -> str:
     body = {"model": "bench", "messages": [{"role": "user", "content": question}]}
-    return _json(request(url, "/chat/completions", {**body, "max_tokens": max_tokens}))["choices"][
-        0
-    ]["message"]["content"]
+    reply = response_json(request(url, "/chat/completions", {**body, "max_tokens": max_tokens}))
+    return reply["choices"][0]["message"]["content"]
 
 
-def _json(response: http.client.HTTPResponse) -> dict[str, Any]:
-    body = json.loads(response.read())
-    if response.status != 200:
-        raise ServeBenchError(f"kvchat serve answered {response.status}: {body}")
-    return body
+def _at_once(
+    url: str, questions: list[str], max_tokens: int, hostile: Sequence[Hostile]
+) -> tuple[list[ClientRun], float, list[HostileRun]]:
+    """Every question streamed at the same moment, and the `hostile` clients with them: what
+    each saw, and the seconds until the last normal one was answered."""
+    start = threading.Event()
+    runs = [ClientRun(q) for q in questions]
+    bad: list[HostileRun] = []
+
+    def client(i: int) -> None:
+        runs[i] = _stream_chat(url, questions[i], max_tokens, start)
+
+    normal = [threading.Thread(target=client, args=(i,)) for i in range(len(questions))]
+    others = [
+        threading.Thread(target=lambda kind=kind: bad.append(run_hostile(kind, url, start)))
+        for kind in hostile
+    ]
+    for thread in [*normal, *others]:
+        thread.start()
+    began = time.perf_counter()
+    start.set()
+    for thread in normal:
+        thread.join()
+    wall = time.perf_counter() - began
+    for thread in others:
+        thread.join()
+    return runs, wall, sorted(bad, key=lambda run: list(Hostile).index(run.kind))
 
 
 class _RssSampler(threading.Thread):
@@ -177,52 +186,64 @@ def run_serve_bench(
     clients: int,
     max_tokens: int,
     log: Callable[[str], None],
+    hostile: bool = False,
 ) -> dict[str, Any]:
-    """Start `kvchat serve SERVER_ARGS`, run `clients` concurrent streamed questions, then the
-    same ones one at a time; the numbers, ready for JSON."""
+    """Start `kvchat serve SERVER_ARGS`, run `clients` concurrent streamed questions, then
+    (`hostile`) the same ones again with a client of each hostile kind among them, then every
+    question one at a time; the numbers, ready for JSON."""
     log(f"starting kvchat serve {' '.join(server_args)}")
     # The bench sends no key: a key in the environment would make the server ask for one.
     env = {k: v for k, v in os.environ.items() if k != SERVER_KEY_ENV}
+    queue = clients + (len(Hostile) if hostile else 0)
     with tempfile.NamedTemporaryFile("w+", prefix="kvchat-serve-", suffix=".log") as err:
-        server = start_server([*server_args, "--queue-size", str(clients)], err, env)
+        server = start_server([*server_args, "--queue-size", str(queue)], err, env)
     try:
         sampler = _RssSampler(server.process.pid)
         sampler.start()
         questions = [f"What is {i} plus {i}? Answer with the number only." for i in range(clients)]
-        start = threading.Event()
-        runs: list[ClientRun] = [ClientRun(q) for q in questions]
-
-        def client(i: int) -> None:
-            runs[i] = _stream_chat(server.url, questions[i], max_tokens, start)
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
-        for thread in threads:
-            thread.start()
         log(f"{clients} clients ask at once")
-        began = time.perf_counter()
-        start.set()
-        for thread in threads:
-            thread.join()
-        wall = time.perf_counter() - began
-        log(f"answered in {wall:.2f} s; asking again one at a time")
+        runs, wall, _ = _at_once(server.url, questions, max_tokens, ())
+        log(f"answered in {wall:.2f} s")
+        if hostile:
+            log(f"again, with hostile clients among them: {', '.join(Hostile)}")
+            beside, beside_wall, bad = _at_once(server.url, questions, max_tokens, list(Hostile))
+            log(f"answered in {beside_wall:.2f} s")
+        log("asking again one at a time")
         alone = [_whole_chat(server.url, q, max_tokens) for q in questions]
-        stats = _json(request(server.url, "/kvchat/stats"))
+        stats = response_json(request(server.url, "/kvchat/stats"))
         sampler.done.set()
         sampler.join()
     finally:
         server.stop()
-    return _result(runs, alone, wall, sampler.peak, stats, clients, max_tokens)
+    result = {
+        "benchmark": "serve",
+        "clients": clients,
+        "max_tokens": max_tokens,
+        **_phase(runs, alone, wall),
+        "peak_rss_bytes": sampler.peak,
+        "plan": stats["plan"],
+        "within_plan": sampler.peak <= stats["plan"]["max_seq_len_total_bytes"],
+        "server": {k: stats["engine"][k] for k in ("model", "device", "dtype", "attention")},
+        "machine": {
+            "cpu": cpu_name(),
+            "cores": os.cpu_count(),
+            "ram_bytes": psutil.virtual_memory().total,
+        },
+    }
+    if hostile:
+        with_them = _phase(beside, alone, beside_wall)
+        p50, p50_beside = result["latency_seconds"]["p50"], with_them["latency_seconds"]["p50"]
+        result["hostile"] = {
+            "clients": [dataclasses.asdict(run) for run in bad],
+            "as_expected": sum(run.as_expected for run in bad),
+            "normal": with_them,
+            "p50_ratio": round(p50_beside / p50, 3) if p50 and p50_beside else None,
+        }
+    return result
 
 
-def _result(
-    runs: list[ClientRun],
-    alone: list[str],
-    wall: float,
-    peak_rss: int,
-    stats: dict[str, Any],
-    clients: int,
-    max_tokens: int,
-) -> dict[str, Any]:
+def _phase(runs: list[ClientRun], alone: list[str], wall: float) -> dict[str, Any]:
+    """What the clients of one concurrent round got, against their answers asked alone."""
     ok = [r for r in runs if r.status == 200 and r.error is None]
     latencies = sorted(r.seconds for r in ok)
     firsts = sorted(r.first_token_s for r in ok if r.first_token_s is not None)
@@ -232,9 +253,6 @@ def _result(
         return round(values[min(len(values) - 1, int(q * len(values)))], 3) if values else None
 
     return {
-        "benchmark": "serve",
-        "clients": clients,
-        "max_tokens": max_tokens,
         "completed": len(ok),
         "failed": [
             {"question": r.question, "status": r.status, "error": r.error}
@@ -259,15 +277,6 @@ def _result(
         "first_token_seconds": {"p50": pct(firsts, 0.5), "max": pct(firsts, 1.0)},
         "completion_tokens": tokens,
         "completion_tok_s": round(tokens / wall, 2) if wall else None,
-        "peak_rss_bytes": peak_rss,
-        "plan": stats["plan"],
-        "within_plan": peak_rss <= stats["plan"]["max_seq_len_total_bytes"],
-        "server": {k: stats["engine"][k] for k in ("model", "device", "dtype", "attention")},
-        "machine": {
-            "cpu": cpu_name(),
-            "cores": os.cpu_count(),
-            "ram_bytes": psutil.virtual_memory().total,
-        },
     }
 
 
@@ -284,4 +293,21 @@ def summary(result: dict[str, Any]) -> list[str]:
         f"peak RSS {result['peak_rss_bytes'] / 2**30:.2f} GiB; plan "
         f"{result['plan']['max_seq_len_total_bytes'] / 2**30:.2f} GiB at max_seq_len "
         f"{result['plan']['max_seq_len']:,}",
+        *_hostile_summary(result.get("hostile")),
+    ]
+
+
+def _hostile_summary(hostile: dict[str, Any] | None) -> list[str]:
+    if hostile is None:
+        return []
+    normal, lat = hostile["normal"], hostile["normal"]["latency_seconds"]
+    return [
+        *(
+            f"hostile {run['kind']}: {run['outcome']} after {run['seconds']} s "
+            f"({'as expected' if run['as_expected'] else 'expected ' + run['expected']})"
+            for run in hostile["clients"]
+        ),
+        f"beside them: {normal['completed']}/{normal['completed'] + len(normal['failed'])} "
+        f"answered, {normal['equal_to_one_at_a_time']} equal alone, latency p50 {lat['p50']} s "
+        f"({hostile['p50_ratio']}x), max {lat['max']} s",
     ]

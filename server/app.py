@@ -39,6 +39,7 @@ from starlette.routing import Route
 from kvchat.core.conversation import Conversation
 from kvchat.core.errors import USER_ERRORS
 from kvchat.core.plan import PlanRefusedError
+from kvchat.core.tokenizer import Tokenizer, TooManyTokensError
 
 from .requests import ApiError, Sampling, chat_request, completion_request, parse_json
 from .worker import Done, EngineWorker, Event, Failed, Job, Progress, Queued, QueueFullError, Text
@@ -160,8 +161,12 @@ class KvchatApi:
                 self.document, system=req.system or self.document.system, messages=req.turns
             )
         tokenizer = self.worker.engine.tokenizer
+        texts = [req.system or "", *(turn["content"] for turn in req.turns), req.question]
         ids = await self._prompt(
-            lambda: conversation.prompt_ids(tokenizer, req.question), req.sampling
+            lambda: conversation.prompt_ids(tokenizer, req.question),
+            req.sampling,
+            texts,
+            len(conversation.document_ids),
         )
         return await self._respond(request, ids, req.sampling, _ChatShape(self.model_name))
 
@@ -175,7 +180,7 @@ class KvchatApi:
                 "completion's prompt would replace the document in the shared cache",
             )
         tokenizer = self.worker.engine.tokenizer
-        ids = await self._prompt(lambda: tokenizer.encode(req.prompt), req.sampling)
+        ids = await self._prompt(lambda: tokenizer.encode(req.prompt), req.sampling, [req.prompt])
         return await self._respond(request, ids, req.sampling, _CompletionShape(self.model_name))
 
     async def _body(self, request: Request) -> bytes:
@@ -205,12 +210,31 @@ class KvchatApi:
                 raise ApiError(413, f"the body is larger than {MAX_BODY_BYTES >> 20} MiB")
             chunks.append(chunk)
 
-    async def _prompt(self, encode: Callable[[], list[int]], sampling: Sampling) -> list[int]:
+    async def _prompt(
+        self,
+        encode: Callable[[], list[int]],
+        sampling: Sampling,
+        texts: list[str],
+        known_tokens: int = 0,
+    ) -> list[int]:
         """The prompt's ids, refused (400, with the plan's numbers) when the settings or the
-        memory cannot hold it and its reply."""
+        memory cannot hold it and its reply. `texts`, what the prompt is made of besides
+        `known_tokens` (a document's), are counted first, in batches that stop past what can
+        fit: a 60 MB message takes minutes to tokenize whole, and the tokenizer's one-text
+        path holds the GIL, stalling every other request meanwhile."""
         engine = self.worker.engine
+        max_new = sampling.params.max_new_tokens
 
         def checked() -> list[int]:
+            budget = engine.settings.long_context.max_seq_len - max_new - known_tokens
+            past = _tokens_past(engine.tokenizer, texts, budget)
+            if past is not None:
+                try:
+                    engine.check_fits(known_tokens + past, max_new)
+                except PlanRefusedError as refused:
+                    raise PlanRefusedError(
+                        f"its text alone holds {past:,} tokens or more: {refused}"
+                    ) from None
             ids = encode()
             engine.check_fits(len(ids), sampling.params.max_new_tokens)
             return ids
@@ -412,3 +436,18 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, HTTPException)
     error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}")
     return JSONResponse(error.body(), status_code=exc.status_code)
+
+
+def _tokens_past(tokenizer: Tokenizer, texts: list[str], budget: int) -> int | None:
+    """Some count of tokens over `budget` that `texts` hold, found in batches that stop once
+    past it; None when they fit. Texts of fewer bytes than the budget fit (no token spells
+    less than a byte) and are not tokenized."""
+    if sum(len(text.encode("utf-8", "surrogatepass")) for text in texts) <= budget:
+        return None
+    used = 0
+    for text in texts:
+        try:
+            used += len(tokenizer.encode_long(text, stop_after=max(0, budget - used)))
+        except TooManyTokensError as e:
+            return used + e.tokens
+    return used if used > budget else None

@@ -1012,6 +1012,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="`serve`: clients that ask at once (default: %(default)s)",
     )
     bench.add_argument(
+        "--hostile",
+        action="store_true",
+        help="`serve`: ask again with hostile clients among them (a 1 MB stop string, slow "
+        "headers, a stalled body, a 60 MB body, a disconnect mid-prefill) and compare",
+    )
+    bench.add_argument(
         "--baseline",
         type=_parse_baselines,
         default="transformers",

@@ -115,3 +115,14 @@ def test_a_connection_that_does_not_finish_its_headers_in_time_is_closed(url):
                 closed = True
         assert closed
     assert _served(url) >= 0  # and the next client is answered
+
+
+def test_a_prompt_whose_size_alone_cannot_fit_is_refused_untokenized(url):
+    # Tokenizing 8 MB takes tens of seconds of both cores from the requests being served.
+    question = "a " * (4 << 20)
+    body = {"model": "m", "messages": [{"role": "user", "content": question}]}
+    reply = httpx.post(f"{url}/chat/completions", json=body, timeout=600)
+    assert reply.status_code == 400, reply.text
+    error = reply.json()["error"]
+    assert error["code"] == "context_length_exceeded"
+    assert error["message"].startswith("its text alone holds "), error["message"]
