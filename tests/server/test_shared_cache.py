@@ -20,7 +20,12 @@ from .serving import serving
 
 SAMPLE = Path(__file__).parents[2] / "core" / "data" / "sample.txt"
 QUESTION = "When was the lighthouse built?"
-OVERRIDES = ["long_context.max_seq_len=4096", "generation.max_new_tokens=8"]
+# A short window: extrapolated prefill passes keep local distances within 512 positions.
+OVERRIDES = [
+    "long_context.max_seq_len=4096",
+    "long_context.local_windows_len=256",
+    "generation.max_new_tokens=8",
+]
 
 
 @pytest.fixture(scope="module")
