@@ -235,3 +235,21 @@ def test_two_processes_building_at_once_both_load_the_module(twice_source):
     ]
     results = [child.communicate(timeout=300) for child in children]
     assert [out.strip() for out, _ in results] == ["42", "42"], [err for _, err in results]
+
+
+def test_the_sources_besides_the_modules_own_compile_as_one_unit(tmp_path, monkeypatch):
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
+    binds = tmp_path / "module.cpp"
+    binds.write_text(
+        "#include <pybind11/pybind11.h>\n"
+        "int one(int x);\nint two(int x);\n"
+        "int three(int x) { return two(one(x)); }\n"
+        'PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("three", &three); }\n'
+    )
+    (tmp_path / "one.cpp").write_text("int one(int x) { return x + 1; }\n")
+    (tmp_path / "two.cpp").write_text("int two(int x) { return x + 2; }\n")
+    sources = [binds, tmp_path / "one.cpp", tmp_path / "two.cpp"]
+    module = build_extension("kvchat_test", sources, "adding", "nothing adds")
+    assert module is not None and module.three(1) == 4
+    build_dir = native.build_root() / build_name("kvchat_test", sources)
+    assert sorted(p.name for p in build_dir.glob("*.o")) == ["kernels_unit.o", "module.o"]

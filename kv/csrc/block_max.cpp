@@ -12,8 +12,7 @@
 
 namespace {
 
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) { return kvchat::bf16_to_float(x); }
+using kvchat::widen;
 
 template <typename T>
 void block_max_rows(const T* s, int64_t groups, int64_t block, int64_t R, float* out) {

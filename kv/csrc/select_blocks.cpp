@@ -30,8 +30,7 @@ namespace {
 // builds alternated in one process).
 constexpr int64_t PREFETCH_BLOCKS = 8;
 
-inline float widen(float x) { return x; }
-inline float widen(uint16_t x) { return kvchat::bf16_to_float(x); }
+using kvchat::widen;
 
 // Block b's score, per KV head into scores[h * n + b], or summed over heads into scores[b].
 template <typename A>

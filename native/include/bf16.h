@@ -23,4 +23,8 @@ inline uint16_t float_to_bf16(float x) {
 // x rounded to the nearest bf16 value, as an fp32: what a torch op in bf16 leaves.
 inline float round_bf16(float x) { return bf16_to_float(float_to_bf16(x)); }
 
+// An fp32 or bf16 element as fp32: one template body serves both dtypes.
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) { return bf16_to_float(x); }
+
 }  // namespace kvchat
