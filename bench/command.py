@@ -43,6 +43,10 @@ def run_bench(
             compare_dense=args.compare_dense,
             log=log,
         )
+    if args.what == "prefill":
+        from .prefill_limit import run_prefill_bench
+
+        return run_prefill_bench(settings, args.contexts or [8192], args.model, log)
     if args.what == "snapshot":
         from .snapshot import run_snapshot_bench
 

@@ -991,13 +991,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", parents=[common], help="benchmarks that print numbers and JSON")
     bench.add_argument(
         "what",
-        choices=["speed", "tokenize", "passkey", "niah", "ruler", "gpu", "snapshot", "serve"],
+        choices=[
+            "speed",
+            "prefill",
+            "tokenize",
+            "passkey",
+            "niah",
+            "ruler",
+            "gpu",
+            "snapshot",
+            "serve",
+        ],
     )
     bench.add_argument(
         "--contexts",
         type=_parse_contexts,
         default=None,
-        help="context sizes for `speed` (default 1k,4k,8k) and `gpu` (default 32k,128k,1024k)",
+        help="context sizes for `speed` (default 1k,4k,8k), `prefill` (default 8k) and `gpu` "
+        "(default 32k,128k,1024k)",
     )
     bench.add_argument(
         "--decode-tokens",
