@@ -67,13 +67,7 @@ class _Clock:
         self.flops: dict[str, float] = defaultdict(float)
         self._undo: list[Callable[[], None]] = []
 
-    def wrap(
-        self,
-        owner: object,
-        name: str,
-        part: str,
-        flops: Callable[..., float] | None = None,
-    ) -> None:
+    def wrap(self, owner: object, name: str, part: str) -> None:
         inner = getattr(owner, name)
         had_own = name in vars(owner)
 
@@ -81,8 +75,6 @@ class _Clock:
             started = time.perf_counter()
             out = inner(*args)
             self.seconds[part] += time.perf_counter() - started
-            if flops is not None:
-                self.flops[part] += flops(out, *args)
             return out
 
         setattr(owner, name, timed)
@@ -153,14 +145,9 @@ def run_prefill_bench(
     log(f"matrix-product peak on the projection shapes {shapes} at {lc.chunk_size} rows")
     # bf16 only where the CPU multiplies it in hardware: elsewhere torch emulates it at ~1% of
     # fp32's rate (a minute a shape), and kvchat multiplies widened values instead.
-    dtypes = (
-        [torch.float32]
-        if widened_products(engine.model.device, torch.bfloat16)
-        else [
-            torch.bfloat16,
-            torch.float32,
-        ]
-    )
+    dtypes = [torch.float32]
+    if not widened_products(engine.model.device, torch.bfloat16):
+        dtypes.insert(0, torch.bfloat16)
     peaks = {
         str(dtype).removeprefix("torch."): gemm_flops(lc.chunk_size, shapes, dtype)
         for dtype in dtypes

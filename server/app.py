@@ -236,7 +236,7 @@ class KvchatApi:
                         f"its text alone holds {past:,} tokens or more: {refused}"
                     ) from None
             ids = encode()
-            engine.check_fits(len(ids), sampling.params.max_new_tokens)
+            engine.check_fits(len(ids), max_new)
             return ids
 
         try:
