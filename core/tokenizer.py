@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import cached_property
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
@@ -443,6 +443,17 @@ def _read_text(path: Path) -> str:
 
 
 def _read_gguf_cached(path: Path) -> _TokenizerParts:
+    """The GGUF's tokenizer from this process's memory, else from the cache on disk, else
+    converted (~10 s for a 49K-token vocabulary: transformers reads the file's fields one by
+    one) and cached in both. Memory keeps it for a model loaded again, after a switch or
+    with another data folder."""
+    stat = path.stat()
+    return _gguf_parts(path.resolve(), stat.st_size, stat.st_mtime_ns)
+
+
+@lru_cache(maxsize=4)
+def _gguf_parts(path: Path, size: int, mtime_ns: int) -> _TokenizerParts:
+    """`path`'s tokenizer, read while the file has this size and time (the cache's key)."""
     cache_file = _cache_file(path)
     try:
         entry = json.loads(cache_file.read_text(encoding="utf-8"))

@@ -39,6 +39,7 @@ def _gguf_path() -> Path:
 def kvchat_home(tmp_path_factory: pytest.TempPathFactory):
     """A private KVCHAT_HOME, so the test never reads or writes the user's tokenizer cache."""
     home = tmp_path_factory.mktemp("kvchat_home")
+    tokenizer_module._gguf_parts.cache_clear()  # the first load converts, into this home
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("KVCHAT_HOME", str(home))
         yield home
@@ -212,14 +213,30 @@ def test_eos_ids_include_end_of_turn(tok: Tokenizer, hf_tok) -> None:
 def test_gguf_tokenizer_is_cached(
     tok: Tokenizer, kvchat_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The second load reads the cache: converting the GGUF's tokenizer again would fail."""
+    """A new process's load reads the cache on disk: converting the GGUF's tokenizer again
+    would fail."""
     assert len(list((kvchat_home / "cache" / "tokenizers").glob("*.json"))) == 1
+    monkeypatch.setattr(tokenizer_module, "_read_gguf", _convert_again)
+    tokenizer_module._gguf_parts.cache_clear()  # as in a new process
+    _assert_same(load_tokenizer(_gguf_path()), tok)
 
-    def convert_again(path: Path) -> None:
-        raise AssertionError(f"{path} converted again")
 
-    monkeypatch.setattr(tokenizer_module, "_read_gguf", convert_again)
-    again = load_tokenizer(_gguf_path())
+def test_a_gguf_tokenizer_loaded_again_in_a_process_reads_neither_file(
+    tok: Tokenizer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Loading the model again (a switch back, or the app's data folder changed) converts
+    nothing and reads no cache file: the disk cache is elsewhere and the converter fails."""
+    monkeypatch.setenv("KVCHAT_HOME", str(tmp_path / "elsewhere"))
+    monkeypatch.setattr(tokenizer_module, "_read_gguf", _convert_again)
+    _assert_same(load_tokenizer(_gguf_path()), tok)
+    assert not (tmp_path / "elsewhere").exists()
+
+
+def _convert_again(path: Path) -> None:
+    raise AssertionError(f"{path} converted again")
+
+
+def _assert_same(again: Tokenizer, tok: Tokenizer) -> None:
     assert again.encode(MULTIBYTE) == tok.encode(MULTIBYTE)
     assert again.chat_ids(MESSAGES) == tok.chat_ids(MESSAGES)
     assert again.eos_ids == tok.eos_ids
