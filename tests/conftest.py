@@ -8,7 +8,7 @@ import os
 import shutil
 import tempfile
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -108,6 +108,30 @@ def smollm_path():
     from kvchat.core.model_files import resolve_model_path
 
     return resolve_model_path("smollm2-135m")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def tokenizer_cache(smollm_path) -> Path:
+    """The bundled model's tokenizer converted once into this process's data folder, where
+    every process a test starts finds it as a user's does after the first start (converting
+    it takes ~10 s; tests/core/test_tokenizer.py checks the conversion itself)."""
+    from kvchat.config.home import Place, folder_for
+    from kvchat.core.tokenizer import load_tokenizer
+
+    load_tokenizer(smollm_path)
+    return folder_for(Place.CACHE) / "tokenizers"
+
+
+@pytest.fixture(scope="session")
+def new_home(tokenizer_cache: Path) -> Callable[[Path], str]:
+    """A fresh $KVCHAT_HOME at a path, for another process: empty but for the converted
+    tokenizers."""
+
+    def make(home: Path) -> str:
+        shutil.copytree(tokenizer_cache, home / "cache" / "tokenizers")
+        return str(home)
+
+    return make
 
 
 @pytest.fixture(scope="session")

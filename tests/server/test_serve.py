@@ -44,27 +44,29 @@ class Server:
             return http.get(f"{self.url}/kvchat/stats").raise_for_status().json()
 
 
-def _serving(tmp: Path, *options: str) -> Iterator[Server]:
+def _serving(tmp: Path, home: str, *options: str) -> Iterator[Server]:
     (tmp / "key").write_text(KEY + "\n")
     args = ["--api-key-file", str(tmp / "key"), "--queue-size", "1", *options]
     for override in OVERRIDES:
         args += ["--set", override]
     with (tmp / "server.log").open("w") as log:
-        served = start_server(args, log, os.environ | {"KVCHAT_HOME": str(tmp / "home")})
+        served = start_server(args, log, os.environ | {"KVCHAT_HOME": home})
     yield Server(served)
     served.stop()
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory) -> Iterator[Server]:
+def server(tmp_path_factory, new_home) -> Iterator[Server]:
     """A server of the sample repository."""
-    yield from _serving(tmp_path_factory.mktemp("serve"), "--document", str(SAMPLE_REPO))
+    tmp = tmp_path_factory.mktemp("serve")
+    yield from _serving(tmp, new_home(tmp / "home"), "--document", str(SAMPLE_REPO))
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory) -> Iterator[Server]:
+def plain(tmp_path_factory, new_home) -> Iterator[Server]:
     """A server without a document: raw completions."""
-    yield from _serving(tmp_path_factory.mktemp("plain"))
+    tmp = tmp_path_factory.mktemp("plain")
+    yield from _serving(tmp, new_home(tmp / "home"))
 
 
 @pytest.fixture(scope="module")
@@ -268,13 +270,13 @@ def test_a_key_file_that_holds_no_key_is_one_clear_error(tmp_path, content):
     assert done.stderr.startswith(f"kvchat: error: --api-key-file {key}: "), done.stderr
 
 
-def test_the_server_stops_promptly_and_quietly_while_a_reply_streams(tmp_path):
+def test_the_server_stops_promptly_and_quietly_while_a_reply_streams(tmp_path, new_home):
     log_path = tmp_path / "server.log"
     with log_path.open("w") as log:
         served = start_server(
             ["--set", "long_context.max_seq_len=4096"],
             log,
-            os.environ | {"KVCHAT_HOME": str(tmp_path / "home")},
+            os.environ | {"KVCHAT_HOME": new_home(tmp_path / "home")},
         )
     body = {"model": "m", "prompt": "1, 2, 3, 4, 5,", "max_tokens": 3000, "stream": True}
     with httpx.Client(timeout=120) as http:

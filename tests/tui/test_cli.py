@@ -32,7 +32,7 @@ def run_cli(
 
 
 @pytest.mark.slow
-def test_passkey_in_a_3k_token_haystack(tmp_path, smollm_path):
+def test_passkey_in_a_1500_token_haystack(tmp_path, smollm_path):
     from kvchat.bench.haystack import (
         PASSKEY_QUESTION,
         answer_is_correct,
@@ -43,7 +43,7 @@ def test_passkey_in_a_3k_token_haystack(tmp_path, smollm_path):
 
     rng = random.Random(20261130)
     passkey = random_passkey(rng)
-    doc = make_passkey_document(load_tokenizer(smollm_path), 3000, rng.uniform(0.1, 0.9), passkey)
+    doc = make_passkey_document(load_tokenizer(smollm_path), 1500, rng.uniform(0.1, 0.9), passkey)
     path = tmp_path / "haystack.txt"
     path.write_text(doc)
     result = run_cli(

@@ -191,13 +191,13 @@ def test_a_key_never_crosses_the_network_unencrypted(capsys, tmp_path, monkeypat
 
 
 @pytest.fixture(scope="module")
-def kvchat_serve(tmp_path_factory):
+def kvchat_serve(tmp_path_factory, new_home):
     tmp = tmp_path_factory.mktemp("serve")
     args = ["--api-key", KEY]
     for override in SERVE_OVERRIDES:
         args += ["--set", override]
     with (tmp / "server.log").open("w") as log:
-        served = start_server(args, log, os.environ | {"KVCHAT_HOME": str(tmp / "home")})
+        served = start_server(args, log, os.environ | {"KVCHAT_HOME": new_home(tmp / "home")})
     yield served.url
     served.stop()
 
