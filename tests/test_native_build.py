@@ -93,7 +93,8 @@ def test_a_lower_cpu_level_is_another_build_with_its_own_march(tmp_path, at_leve
 
 
 def test_a_build_is_reported_while_it_runs_and_when_it_is_done(twice_source, monkeypatch):
-    monkeypatch.setattr(native, "REPORT_INTERVAL_S", 0.2)
+    # Reports every 20 ms: a compile and a link through ninja take several times that.
+    monkeypatch.setattr(native, "REPORT_INTERVAL_S", 0.02)
     source = twice_source
     seen = []
     with build_reports(seen.append):
@@ -103,6 +104,7 @@ def test_a_build_is_reported_while_it_runs_and_when_it_is_done(twice_source, mon
     assert not any(p.done for p in seen[:-1])
     assert "built the C++ kernels for doubling" in seen[-1].line()
     # Loading the cached build compiles nothing and reports nothing.
+    monkeypatch.setattr(native, "REPORT_INTERVAL_S", 1.0)
     seen.clear()
     with build_reports(seen.append):
         assert build_extension("kvchat_test", [source], "doubling", "nothing doubles") is not None
@@ -240,7 +242,7 @@ def test_two_processes_building_at_once_both_load_the_module(twice_source):
 def test_the_sources_besides_the_modules_own_compile_as_one_unit(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "builds"))
     binds = tmp_path / "module.cpp"
-    binds.write_text(
+    binds.write_text(  # pybind11's module macro names the file that binds the module
         "#include <pybind11/pybind11.h>\n"
         "int one(int x);\nint two(int x);\n"
         "int three(int x) { return two(one(x)); }\n"

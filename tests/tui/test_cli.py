@@ -273,7 +273,8 @@ def test_a_kernel_build_is_shown_on_stderr(twice_source, monkeypatch):
     from kvchat import native
     from kvchat.tui.cli import BuildLine
 
-    monkeypatch.setattr(native, "REPORT_INTERVAL_S", 0.2)
+    # Reports every 20 ms: a compile and a link through ninja take several times that.
+    monkeypatch.setattr(native, "REPORT_INTERVAL_S", 0.02)
     stream = io.StringIO()
     with native.build_reports(BuildLine(stream)):
         assert native.build_extension("kvchat_test", [twice_source], "doubling", "none") is not None
