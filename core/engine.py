@@ -714,10 +714,16 @@ class Engine:
         built = ", ".join(f"{k} {'C++' if ok else 'torch'}" for k, ok in kernels.items())
         products = dtype
         if widened_products(device, model.dtype):
-            # Packed int4 weights keep their integer product for many rows too (core/linear.py).
+            # Packed int4 weights keep their integer product for many rows, and int8 ones with
+            # VNNI (core/linear.py); the rest runs in fp32.
             ops = cpu_ops.load()
-            int4 = self.weight_format == "int4" and ops is not None and ops.int4_vectorized
-            products = "int4 integer kernel" if int4 else "fp32 on widened bf16"
+            kernels = []
+            if ops is not None and self.weight_format == "int4":
+                kernels += ["int4"] if ops.int4_vectorized else []
+                kernels += ["int8"] if ops.integer_products == "avx512-vnni" else []
+            products = "fp32 on widened bf16"
+            if kernels:
+                products = f"{' and '.join(kernels)} integer kernels, else {products}"
         lowered = f" ({LEVEL_ENV}; the CPU runs {machine_level().value})"
         return (
             f"compute: {cpu_name()}, {level.value} kernels"

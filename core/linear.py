@@ -144,7 +144,7 @@ class PackedInt4Linear:
         self.out_features = pack.out_features
         self.format = "int4"
         self.nbytes = self.read_bytes = pack.nbytes + tensor_bytes(bias)
-        self._unpack_rows = _unpack_rows(self.UNPACK_ROWS)
+        self._unpack_rows = self.UNPACK_ROWS if _bf16_in_hardware() else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -199,11 +199,17 @@ class Int8Linear:
     core/cpu_ops.py's int8 product, which reads at most 5/8 of the bytes of a bf16 copy (a
     scale per 16) and is exact but for the inputs' rounding to 16-bit
     integers per group of 32 (a bf16 copy rounds every weight). More rows (prefill chunks)
-    go, where bf16 products are in hardware, through a bf16 product with `table` (a bf16 copy
-    the model holds anyway: a tied embedding) or else with the weight unpacked for the call;
-    elsewhere through the int8 product too. Returns `out_dtype` (the output layer: fp32)."""
+    go through a product with `table` (a bf16 copy the model holds anyway: a tied embedding)
+    or else with the weight unpacked to bf16 for the call: in bf16 where bf16 products are in
+    hardware, else in fp32 on the widened values where the int8 product lacks VNNI (its AVX2
+    path multiplies 16-bit integers). With VNNI and without bf16 products the int8 product
+    takes every row. Returns `out_dtype` (the output layer: fp32)."""
 
     UNPACK_ROWS = PackedInt4Linear.UNPACK_ROWS
+    # Rows from which fp32 products on the unpacked, widened weight beat the int8 product
+    # without VNNI (a Zen 3, Qwen2.5-0.5B's four products of a layer, medians of 5: 135
+    # against 139 ms at 256 rows, 247 against 176 at 512, 522 against 373 at 1024).
+    WIDEN_ROWS = 256
 
     def __init__(
         self,
@@ -218,7 +224,11 @@ class Int8Linear:
         self.out_features = groups.q.shape[0]
         self.format = "int8"
         self.nbytes = self.read_bytes = tensor_bytes(self.packed, self.scale, self.minimum, bias)
-        self._unpack_rows = _unpack_rows(self.UNPACK_ROWS)
+        hardware = _bf16_in_hardware()
+        self._unpack_rows: int | None = self.UNPACK_ROWS if hardware else None
+        if not hardware and ops.integer_products != "avx512-vnni":
+            self._unpack_rows = self.WIDEN_ROWS
+        self._many_rows = F.linear if hardware else widened_linear
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -231,14 +241,14 @@ class Int8Linear:
             if weight is None:
                 unpacked = self._ops.int8_dequantize(self.packed, self.scale, self.minimum)
                 weight = unpacked[: self.out_features]
-            y = F.linear(rows.bfloat16(), weight, self.bias)
+            y = self._many_rows(rows.bfloat16(), weight, self.bias)
         return y.to(self.out_dtype).reshape(*x.shape[:-1], -1)
 
 
-def _unpack_rows(rows: int) -> int | None:
-    """`rows`, from which a quantized layer unpacks its weight for a bf16 product; None where
-    bf16 products are not in hardware (its integer product then takes every row)."""
-    return None if widened_products(torch.device("cpu"), torch.bfloat16) else rows
+def _bf16_in_hardware() -> bool:
+    """Whether this CPU multiplies bf16 in hardware, where the quantized layers unpack their
+    weight to bf16 for products of many rows."""
+    return not widened_products(torch.device("cpu"), torch.bfloat16)
 
 
 class ConcatLinear:

@@ -377,4 +377,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_int4_layer(m);
   // Whether the int4 ops have their vector path here (else they compute one value at a time).
   m.attr("int4_vectorized") = kvchat::int4_vectorized;
+  // The integer products' path in this build: what a product of many rows weighs against.
+  m.attr("integer_products") = KVCHAT_VNNI ? "avx512-vnni" : KVCHAT_AVX2_INT ? "avx2" : "scalar";
 }

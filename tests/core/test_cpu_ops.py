@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from kvchat.core import cpu_ops
-from kvchat.core.linear import DenseLinear, Int8Linear, pack_int8
+from kvchat.core.linear import DenseLinear, Int8Linear, pack_int8, widened_linear
 from kvchat.core.model import rms_norm, silu_mul
 from kvchat.core.weights import Int8Groups
-from kvchat.native.cpu import cpu_level, machine_level
+from kvchat.native.cpu import cpu_level, machine_level, widened_products
 
 OPS = cpu_ops.load()
 pytestmark = pytest.mark.skipif(OPS is None, reason="no C++ compiler: the torch code is used")
@@ -163,18 +163,22 @@ def test_int8_linear_runs_a_few_rows_as_int8_and_more_on_the_unpacked_weight():
     assert ((got.double() - exact).abs() <= bound).all()
     assert layer.read_bytes == 512 * 576 + 512 * 18 * 4 + 500 * 2  # 32 tiles of 16, the bias
 
-    rows = _bf16(100, 576, seed=6)
-    if layer._unpack_rows is None:  # bf16 products not in hardware: the int8 product still
+    hardware = not widened_products(torch.device("cpu"), torch.bfloat16)
+    rows = _bf16(Int8Linear.UNPACK_ROWS if hardware else Int8Linear.WIDEN_ROWS, 576, seed=6)
+    if not hardware and OPS.integer_products == "avx512-vnni":  # the int8 product still
+        assert layer._unpack_rows is None
         exact = rows.double() @ groups.dequantize().double().T + bias.double()
         bound = _input_rounding(rows, groups) + 1e-6 * exact.abs().max() + exact.abs() * 2**-8
         assert ((layer(rows).double() - exact).abs() <= bound).all()
-    else:
-        want = torch.nn.functional.linear(rows, groups.dequantize().bfloat16(), bias)
-        assert torch.equal(layer(rows), want)
-        # With a bf16 table the model holds anyway (a tied embedding), that table.
-        table = _bf16(500, 576, seed=10)
-        head = Int8Linear(groups, None, OPS, torch.float32, table)
-        assert torch.equal(head(rows), torch.nn.functional.linear(rows, table).float())
+        return
+    # The weight unpacked to bf16: in bf16 products where they are in hardware, else in fp32
+    # on the widened values.
+    product = torch.nn.functional.linear if hardware else widened_linear
+    assert torch.equal(layer(rows), product(rows, groups.dequantize().bfloat16(), bias))
+    # With a bf16 table the model holds anyway (a tied embedding), that table.
+    table = _bf16(500, 576, seed=10)
+    head = Int8Linear(groups, None, OPS, torch.float32, table)
+    assert torch.equal(head(rows), product(rows, table).float())
 
 
 def test_the_bundled_model_reads_its_q8_0_head_as_stored(engine_fp32):
