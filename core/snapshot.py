@@ -74,6 +74,7 @@ from .errors import UserError
 from .gguf_header import read_gguf_header
 from .model_config import ModelConfig
 from .terminal_text import terminal_safe
+from .units import format_size
 
 FORMAT_VERSION = 2
 # What a prefill leaves in a cache and how a backend exports it (kv/sparse/cache.py, kv/dense.py,
@@ -282,13 +283,6 @@ def format_duration(seconds: float) -> str:
     if seconds < 5400:
         return f"{seconds / 60:.0f} min"
     return f"{seconds / 3600:.1f} h"
-
-
-def format_size(n_bytes: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n_bytes >= scale:
-            return f"{n_bytes / scale:.1f} {unit}"
-    return f"{n_bytes} B"
 
 
 # -- the store --------------------------------------------------------------------------------

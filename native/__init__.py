@@ -35,8 +35,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
-import torch
-
 from .cpu import cpu_flags, cpu_level, march
 
 log = logging.getLogger(__name__)
@@ -186,6 +184,8 @@ def build_name(prefix: str, sources: Sequence[Path]) -> str:
         {*INCLUDE.glob("*.h"), *(h for src in sources for h in src.parent.glob("*.h"))}
     )
     text = b"".join(path.read_bytes() for path in [*sources, *headers])
+    import torch  # here, not at import: the CLI's first lines must not wait for torch
+
     machine = " ".join(sorted(cpu_flags()))
     versions = f"{torch.__version__} {sys.version_info[:2]} {machine} {' '.join(flags())}"
     return f"{prefix}_{hashlib.sha256(text + versions.encode()).hexdigest()[:12]}"

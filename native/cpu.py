@@ -15,8 +15,10 @@ import os
 import platform
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 LEVEL_ENV = "KVCHAT_CPU_LEVEL"
 
@@ -115,6 +117,8 @@ def widened_products(device: torch.device, dtype: torch.dtype) -> bool:
     its fallback runs at a fraction of fp32's speed). The products are exact either way.
     torch's own check (the CPU's cpuid) must agree too: an emulator may pass the host's
     /proc/cpuinfo through while offering fewer instructions."""
+    import torch  # here, not at import: the CLI's first lines must not wait for torch
+
     if device.type != "cpu" or dtype != torch.bfloat16:
         return False
     return not (cpu_level().bf16_products and torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -27,9 +27,10 @@ from kvchat.core.errors import USER_ERRORS
 from kvchat.core.fit import Fit
 from kvchat.core.history import SavedConversation
 from kvchat.core.plan import PlanRefusedError
-from kvchat.core.snapshot import PrefillReport, format_size
+from kvchat.core.snapshot import PrefillReport
 from kvchat.core.sources import STDIN
 from kvchat.core.turns import ReplyEnd
+from kvchat.core.units import format_size
 from kvchat.native import build_reports
 
 from .messages import (

