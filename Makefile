@@ -49,13 +49,16 @@ PYTEST_WORKERS ?= 2
 XDIST := -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The package check builds the C++ kernels from the installed wheel, into a folder the suite
-# then loads them from: one build a run rather than two.
+# then loads them from: one build a run rather than two. Beside it, on the core its pip
+# installs leave idle, the lower levels' kernels that the suite tests build into that folder.
 TEST_KERNELS := $(abspath $(VENV))/test-kernels
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check .
 	rm -rf $(TEST_KERNELS)
-	bash tests/package/check.sh $(PY) $(TEST_KERNELS)
+	TORCH_EXTENSIONS_DIR=$(TEST_KERNELS) $(PY) tests/build_lower_levels.py & levels=$$!; \
+	bash tests/package/check.sh $(PY) $(TEST_KERNELS) || { kill $$levels; exit 1; }; \
+	wait $$levels
 	TORCH_EXTENSIONS_DIR=$(TEST_KERNELS) $(PY) -m pytest -q --durations=15 $(XDIST) \
 		$(PYTEST_ARGS)
 	if $(PY) -c "$(ABOVE_AVX2)"; then \
